@@ -46,6 +46,8 @@ pub enum Packing {
 pub struct IntScheme {
     pub packing: Packing,
     pub bits: u32,
+    /// Columns a group, where the config names it (a row's last group may be shorter).
+    pub group_size: Option<usize>,
 }
 
 /// The tensors that hold one weight `X.weight`, by their names' ends after `X.`.
@@ -100,6 +102,12 @@ impl IntScheme {
 pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntScheme, String>> {
     let text = |key: &str| quant.get(key).and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
     let bits = |keys: &[&str]| keys.iter().find_map(|k| quant.get(*k).and_then(|b| b.as_u64()));
+    let group_size = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| quant.get(*k).and_then(|g| g.as_i64()))
+            .filter(|&g| g > 0)
+            .map(|g| g as usize)
+    };
     match method {
         "gptq" => Some((|| {
             let bits = bits(&["bits"]).ok_or("GPTQ's config has no `bits`")?;
@@ -117,6 +125,7 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntSc
             Ok(IntScheme {
                 packing: Packing::Gptq { zero_offset },
                 bits: bits as u32,
+                group_size: group_size(&["group_size"]),
             })
         })()),
         "awq" => Some((|| {
@@ -134,20 +143,23 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntSc
             Ok(IntScheme {
                 packing: Packing::Awq,
                 bits: 4,
+                group_size: group_size(&["group_size", "q_group_size"]),
             })
         })()),
         "compressed-tensors" if text("format").as_deref() == Some("pack-quantized") => {
-            Some(compressed_tensors_bits(quant).map(|bits| IntScheme {
+            Some(compressed_tensors_weights(quant).map(|(bits, group_size)| IntScheme {
                 packing: Packing::CompressedTensors,
                 bits,
+                group_size,
             }))
         }
         _ => None,
     }
 }
 
-/// compressed-tensors' integer weights must have the same width in every group.
-fn compressed_tensors_bits(quant: &serde_json::Value) -> Result<u32, String> {
+/// compressed-tensors' integer weights must have the same width (and group size) in every
+/// group of its config.
+fn compressed_tensors_weights(quant: &serde_json::Value) -> Result<(u32, Option<usize>), String> {
     let groups = quant.get("config_groups").and_then(|g| g.as_object());
     let mut width = None;
     for (name, group) in groups.into_iter().flatten() {
@@ -161,13 +173,18 @@ fn compressed_tensors_bits(quant: &serde_json::Value) -> Result<u32, String> {
                 "group `{name}` packs weights of {bits} bits of type {kind:?}, not integers of 1 to 8 bits"
             ));
         }
-        if width.is_some_and(|w| w != bits) {
-            return Err("its groups pack weights of different widths".into());
+        let group_size = weights
+            .get("group_size")
+            .and_then(|g| g.as_i64())
+            .filter(|&g| g > 0)
+            .map(|g| g as usize);
+        if width.is_some_and(|w| w != (bits, group_size)) {
+            return Err("its groups pack weights of different widths or group sizes".into());
         }
-        width = Some(bits);
+        width = Some((bits, group_size));
     }
     width
-        .map(|w| w as u32)
+        .map(|(w, g)| (w as u32, g))
         .ok_or_else(|| "`pack-quantized` with no group of weights".into())
 }
 
@@ -280,11 +297,20 @@ impl PackedLayout {
             }
             _ => None,
         };
-        let group_cols = cols / groups;
-        let listed = listed.filter(|g| g.iter().enumerate().any(|(c, &g)| g as usize != c / group_cols));
-        if listed.is_none() && !cols.is_multiple_of(groups) {
-            return Err(format!("{groups} groups do not divide {cols} columns evenly"));
-        }
+        // The config's group size where it gives these groups (a row's last one shorter), else
+        // groups that divide the row evenly; listed groups in that order are no list.
+        let group_cols = match scheme.group_size {
+            Some(size) if cols.div_ceil(size) == groups => Some(size),
+            _ if cols.is_multiple_of(groups) => Some(cols / groups),
+            _ => None,
+        };
+        let listed =
+            listed.filter(|g| group_cols.is_none_or(|size| g.iter().enumerate().any(|(c, &g)| g as usize != c / size)));
+        let group_cols = match (group_cols, &listed) {
+            (Some(size), _) => size,
+            (None, Some(_)) => cols.div_ceil(groups),
+            (None, None) => return Err(format!("{groups} groups do not divide {cols} columns evenly")),
+        };
         Ok(Self {
             scheme,
             matrices,
@@ -661,7 +687,11 @@ mod tests {
     }
 
     fn schemes() -> Vec<IntScheme> {
-        let s = |packing, bits| IntScheme { packing, bits };
+        let s = |packing, bits| IntScheme {
+            packing,
+            bits,
+            group_size: None,
+        };
         vec![
             s(Packing::Gptq { zero_offset: 1 }, 4),
             s(Packing::Gptq { zero_offset: 0 }, 4),
@@ -762,6 +792,7 @@ mod tests {
         let scheme = IntScheme {
             packing: Packing::Gptq { zero_offset: 1 },
             bits: 4,
+            group_size: None,
         };
         let (rows, cols, group_cols) = (8, 64, 32);
         let q: Vec<u32> = (0..rows * cols).map(|i| (i * 7 % 16) as u32).collect();
@@ -804,15 +835,68 @@ mod tests {
             .contains("names group 2 of 2"));
     }
 
+    /// A row whose last group is shorter than the config's group size (96 columns in groups of
+    /// 64), with GPTQ's index listing them in order: the groups are the config's, held in
+    /// blocks, each element its own group's product.
+    #[test]
+    fn a_rows_last_group_may_be_short() {
+        let scheme = IntScheme {
+            packing: Packing::Gptq { zero_offset: 1 },
+            bits: 4,
+            group_size: Some(64),
+        };
+        let (rows, cols) = (8, 96);
+        let q: Vec<u32> = (0..rows * cols).map(|i| (i * 5 % 16) as u32).collect();
+        let z: Vec<u32> = (0..rows * 2).map(|i| 1 + (i % 15) as u32).collect();
+        let s: Vec<f32> = (0..rows * 2).map(|i| 0.25 + i as f32).collect();
+        // Packed as groups of 48 columns, the same two groups' parts; read back as groups of 64.
+        let packed = pack(scheme, 1, rows, cols, 48, &q, Some(&z), &s);
+        let index: Vec<i64> = (0..cols as i64).map(|c| c / 64).collect();
+        let parts = PartShapes {
+            levels: &packed.levels_shape,
+            zeros: packed.zeros.as_ref().map(|z| &z.1[..]),
+            scales: &packed.scales_shape,
+            group_index: Some(&[96]),
+            shape: None,
+        };
+        let layout = PackedLayout::of(scheme, &parts, Some(&index)).unwrap();
+        assert_eq!((layout.group_cols, layout.group_index.is_none()), (64, true));
+        assert!(layout.fits_blocks_of_32());
+        let bytes = PackedParts {
+            levels: &packed.levels,
+            zeros: Some(&packed.zeros.as_ref().unwrap().0),
+            scales: &packed.scales,
+        };
+        let mut values = vec![0f32; rows * cols];
+        GgmlType::U4B32.dequantize(&layout.u4_blocks(&bytes), &mut values);
+        for r in 0..rows {
+            for c in 0..cols {
+                let g = c / 64;
+                let want = (q[r * cols + c] as i32 - z[r * 2 + g] as i32) as f32 * s[r * 2 + g];
+                assert_eq!(values[r * cols + c], want, "({r}, {c})");
+            }
+        }
+        // Without the config's size, two groups of 96 columns are 48 each: the index then
+        // lists them out of that order, so it is kept and the weight is not held in blocks.
+        let unsized_scheme = IntScheme {
+            group_size: None,
+            ..scheme
+        };
+        let unsized_layout = PackedLayout::of(unsized_scheme, &parts, Some(&index)).unwrap();
+        assert!(unsized_layout.group_index.is_some() && !unsized_layout.fits_blocks_of_32());
+    }
+
     #[test]
     fn parts_that_fit_no_layout_are_refused() {
         let gptq = IntScheme {
             packing: Packing::Gptq { zero_offset: 1 },
             bits: 4,
+            group_size: None,
         };
         let ct = IntScheme {
             packing: Packing::CompressedTensors,
             bits: 4,
+            group_size: None,
         };
         let of = |scheme, levels: &[usize], zeros: Option<&[usize]>, scales: &[usize], shape: Option<Vec<usize>>| {
             let parts = PartShapes {
@@ -841,10 +925,11 @@ mod tests {
         use serde_json::json;
         let read = |method: &str, quant: serde_json::Value| scheme_of(method, &quant);
         assert_eq!(
-            read("gptq", json!({"bits": 4})).unwrap().unwrap(),
+            read("gptq", json!({"bits": 4, "group_size": 128})).unwrap().unwrap(),
             IntScheme {
                 packing: Packing::Gptq { zero_offset: 1 },
-                bits: 4
+                bits: 4,
+                group_size: Some(128),
             }
         );
         assert_eq!(

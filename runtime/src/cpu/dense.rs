@@ -1,7 +1,7 @@
 //! `x · Wᵀ` over dense weight rows (f32, or bf16, IEEE half, FP8 blocks or 4-bit blocks widened
 //! as they are loaded): the matmul of models run at `--dtype f32`, `bf16` or `f16`, of
-//! checkpoints' bf16 and half weights, and of FP8 and 4-bit blocks for steps of few tokens
-//! (more widen a few rows at a time first: [`widen_rows`]).
+//! checkpoints' bf16 and half weights, of FP8 blocks for steps of few tokens, and of 4-bit
+//! blocks.
 //!
 //! A register tile holds the products of a few weight rows with a few tokens, so each 16-float
 //! chunk of a row or of a token is loaded once for the whole tile instead of once for every
@@ -396,9 +396,8 @@ impl Widen for U4Byte {
         use std::arch::x86_64::*;
         // SAFETY: the caller's kernel has AVX-512F; the chunk's block lies within the row.
         unsafe {
-            let block = Self::block(row, at);
-            let (scale, offset) = u4_blocks::scale_offset(block);
-            let bytes = _mm_loadu_si128(block.as_ptr().add(u4_blocks::LEVELS_AT).cast());
+            let (block, scale, offset) = Self::scaled_block(row, at);
+            let bytes = _mm_loadu_si128(block.add(u4_blocks::LEVELS_AT).cast());
             let wide = _mm512_cvtepu8_epi32(bytes);
             let levels = match at % u4_blocks::BLOCK_ELEMS {
                 0 => _mm512_and_si512(wide, _mm512_set1_epi32(15)),
@@ -416,10 +415,9 @@ impl Widen for U4Byte {
         use std::arch::x86_64::*;
         // SAFETY: the caller's kernel has AVX2; as above.
         unsafe {
-            let block = Self::block(row, at);
-            let (scale, offset) = u4_blocks::scale_offset(block);
+            let (block, scale, offset) = Self::scaled_block(row, at);
             let chunk = at % u4_blocks::BLOCK_ELEMS;
-            let bytes = _mm_loadl_epi64(block.as_ptr().add(u4_blocks::LEVELS_AT + chunk % 16).cast());
+            let bytes = _mm_loadl_epi64(block.add(u4_blocks::LEVELS_AT + chunk % 16).cast());
             let wide = _mm256_cvtepu8_epi32(bytes);
             let levels = match chunk < 16 {
                 true => _mm256_and_si256(wide, _mm256_set1_epi32(15)),
@@ -449,50 +447,22 @@ impl U4Byte {
         // SAFETY: as the caller promises.
         unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), u4_blocks::BLOCK_BYTES) }
     }
-}
 
-/// Rows `rows` of `weights` (`cols` wide, a multiple of 16) widened to f32 into `out`, each
-/// weight as the tiles widen it (so products over the widened rows are the same bits).
-pub fn widen_rows(kernel: DenseKernel, weights: DenseRows<'_>, cols: usize, rows: Range<usize>, out: &mut [f32]) {
-    match weights {
-        DenseRows::F32(w) => widen_rows_of(kernel, w, cols, rows, out),
-        DenseRows::Bf16(w) => widen_rows_of(kernel, w, cols, rows, out),
-        DenseRows::F16(w) => widen_rows_of(kernel, w, cols, rows, out),
-        DenseRows::Fp8(w) => widen_rows_of(kernel, w, cols, rows, out),
-        DenseRows::U4(w) => widen_rows_of(kernel, w, cols, rows, out),
-    }
-}
-
-fn widen_rows_of<W: Widen>(kernel: DenseKernel, w: &[W], cols: usize, rows: Range<usize>, out: &mut [f32]) {
-    let stride = W::stride(cols);
-    assert!(cols.is_multiple_of(16) && rows.end * stride <= w.len() && out.len() >= rows.len() * cols);
-    for (r, out) in rows.zip(out.chunks_exact_mut(cols)) {
-        let row = w[r * stride..].as_ptr();
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `kernel` came from `DenseKernel::detected`, so the CPU has its features; the
-        // row has `cols` weights (asserted above), loaded sixteen or eight at a time.
+    /// The start of the block holding weight `c` of the row at `row`, its scale and its offset,
+    /// read in place (in the tiles' inner loop, where a slice's bounds checks and a call into
+    /// `quant` would cost more than the widening).
+    ///
+    /// # Safety
+    /// The row holds that block.
+    #[inline(always)]
+    unsafe fn scaled_block(row: *const U4Byte, c: usize) -> (*const u8, f32, f32) {
+        // SAFETY: as the caller promises: the block's first eight bytes are its scale and
+        // offset, little-endian f32s (x86 is little-endian).
         unsafe {
-            use std::arch::x86_64::*;
-            match kernel {
-                DenseKernel::Avx512 => {
-                    for at in (0..cols).step_by(16) {
-                        _mm512_storeu_ps(out.as_mut_ptr().add(at), W::load512(row, at));
-                    }
-                }
-                DenseKernel::Avx2 => {
-                    for at in (0..cols).step_by(8) {
-                        _mm256_storeu_ps(out.as_mut_ptr().add(at), W::load256(row, at));
-                    }
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = kernel;
-            for (c, o) in out.iter_mut().enumerate() {
-                // SAFETY: c < cols, within the row.
-                *o = unsafe { W::weight(row, c) };
-            }
+            let block = row.add(Self::block_start(c)).cast::<u8>();
+            let scale = block.cast::<f32>().read_unaligned();
+            let offset = block.add(4).cast::<f32>().read_unaligned();
+            (block, scale, offset)
         }
     }
 }
@@ -804,8 +774,8 @@ mod tests {
         }
     }
 
-    /// 4-bit blocks widened as the tiles load them, or rows widened first: each product is
-    /// `simd::dot`'s bits over the blocks' weights (level × scale + offset), for every level,
+    /// 4-bit blocks widened as the tiles load them: each product is `simd::dot`'s bits over the
+    /// blocks' weights (level × scale + offset), for every level,
     /// under scales of both signs, offsets of every zero point, and magnitudes that keep
     /// products normal or make them subnormal.
     #[test]
@@ -822,11 +792,7 @@ mod tests {
                     .collect();
                 let mut widened = vec![0f32; rows * cols];
                 quant::GgmlType::U4B32.dequantize(&blocks, &mut widened);
-                let weights = DenseRows::U4(U4Byte::of(&blocks));
-                check_against_dot(kernel, weights, &widened, cols, rows);
-                let mut first = vec![0f32; rows * cols];
-                widen_rows(kernel, weights, cols, 0..rows, &mut first);
-                assert!(first.iter().zip(&widened).all(|(a, b)| a.to_bits() == b.to_bits()));
+                check_against_dot(kernel, DenseRows::U4(U4Byte::of(&blocks)), &widened, cols, rows);
             }
         }
     }

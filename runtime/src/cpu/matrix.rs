@@ -1,8 +1,8 @@
 //! Weight matrices as the CPU kernels consume them, and `x · Wᵀ` over them.
 //!
 //! A matrix keeps the storage its graph node asks for: f32, bf16, half, a GGML block format,
-//! FP8 blocks or 4-bit blocks (widened by the dense tiles as they load them for steps of few
-//! tokens, else a few rows at a time for them: `fp8_rows`, `dense::widen_rows`).
+//! FP8 blocks (widened by the dense tiles as they load them for steps of few tokens, else a
+//! few rows at a time for them, `fp8_rows`) or 4-bit blocks (widened by the tiles).
 //! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
 //! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
 //! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
@@ -33,8 +33,6 @@ use std::thread::LocalKey;
 /// cores: 24 and 32 sequences 12% and 6% faster tiled, 64 and a 128-token prompt 5% and 7%
 /// slower.
 const FP8_TILED_TOKENS: usize = 32;
-/// The same for 4-bit blocks.
-const U4_TILED_TOKENS: usize = 32;
 
 pub enum Storage {
     F32(Vec<f32>),
@@ -253,29 +251,12 @@ impl Matrix {
             return;
         }
         if let (Storage::U4Blocks(blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
+            // However many tokens: widening 16 levels in registers costs less than a pass that
+            // widens rows first (`benches/batched_step.rs`, a 0.45 B-weight Llama shape of 4-bit
+            // blocks, two cores: 48 and 64 sequences 10% and 3% faster, a 512-token prompt 5%).
             let weights = DenseRows::U4(dense::U4Byte::of(blocks));
-            if tokens <= U4_TILED_TOKENS {
-                products_by_runs(rows, out, |run, _, write| {
-                    dense::products(kernel, weights, k, run, x, tokens, write)
-                });
-                return;
-            }
-            products_by_runs(rows, out, |run, widened, write| {
-                for first in run.clone().step_by(fp8_rows::WIDENED_ROWS) {
-                    let chunk = first..(first + fp8_rows::WIDENED_ROWS).min(run.end);
-                    widened.resize(chunk.len() * k, 0.0);
-                    dense::widen_rows(kernel, weights, k, chunk.clone(), widened);
-                    let offset = chunk.start - run.start;
-                    dense::products(
-                        kernel,
-                        DenseRows::F32(widened),
-                        k,
-                        0..chunk.len(),
-                        x,
-                        tokens,
-                        &mut |t, r, values| write(t, offset + r, values),
-                    );
-                }
+            products_by_runs(rows, out, |run, _, write| {
+                dense::products(kernel, weights, k, run, x, tokens, write)
             });
             return;
         }
@@ -701,8 +682,8 @@ mod tests {
 
     /// 4-bit blocks: every (row, token) product is the dot product of the row's f32 weights
     /// (level × scale + offset) with the token, bit for bit (`simd::dot`), whichever rows a
-    /// step asks for, for few tokens (widened by the tiles) and many (widened a few rows at a
-    /// time); stacking, picking and transposing rows keep the weights.
+    /// step asks for and however many tokens; stacking, picking and transposing rows keep the
+    /// weights.
     #[test]
     fn u4_block_rows_multiply_their_products() {
         let (rows, cols) = (40, 96);
@@ -720,7 +701,7 @@ mod tests {
         assert_eq!(m.bytes(), blocks.len());
         let mut weights = vec![0f32; rows * cols];
         GgmlType::U4B32.dequantize(&blocks, &mut weights);
-        for tokens in [1, 5, U4_TILED_TOKENS, U4_TILED_TOKENS + 3] {
+        for tokens in [1, 5, 36] {
             let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
             let picked = 3..37;
             let mut got = vec![f32::NAN; tokens * picked.len()];
