@@ -2423,7 +2423,6 @@ fn generated_and_uploaded_quantized(
     seed: u32,
     sequences: usize,
 ) -> GeneratedAndUploaded {
-    use runtime::random_weights::fill_kernels;
     let config = open(family, compute).config;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
@@ -2444,6 +2443,19 @@ fn generated_and_uploaded_quantized(
     spec.dtype = compute;
     spec.quantization = quantization.map(str::to_string);
     let written = Model::open(spec).unwrap();
+    generated_and_uploaded_over(config, graph, &written.weights, seed, sequences)
+}
+
+/// [`GeneratedAndUploaded`] of `graph` (lowered without weights, fused for the H200), the
+/// uploaded plan's weights `weights`.
+fn generated_and_uploaded_over(
+    config: models::ModelConfig,
+    graph: ir::Graph,
+    weights: &models::WeightSource,
+    seed: u32,
+    sequences: usize,
+) -> GeneratedAndUploaded {
+    use runtime::random_weights::fill_kernels;
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 8,
@@ -2452,7 +2464,7 @@ fn generated_and_uploaded_quantized(
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let device = EmulatorDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
     let generated = PlanExecutor::with_generated_weights(device, plan.clone(), graph.clone(), seed, 64).unwrap();
-    let uploaded = EmulatorBackend::emulated(plan.clone(), kernels, graph.clone(), &written.weights, &[], 64).unwrap();
+    let uploaded = EmulatorBackend::emulated(plan.clone(), kernels, graph.clone(), weights, &[], 64).unwrap();
     GeneratedAndUploaded {
         config,
         graph,
@@ -2526,6 +2538,45 @@ fn half_weights_made_for_the_device_equal_their_host_values_uploaded() {
 fn fp8_weights_made_for_the_device_equal_a_checkpoint_quantized_as_it_loads() {
     let both = generated_and_uploaded_quantized("llama", ComputeDtype::Bf16, Some("fp8"), 3, 2);
     assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::F8E4M3B32));
+    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::BF16));
+    generated_steps_agree(&both);
+}
+
+/// Random weights in the 4-bit blocks GPTQ and AWQ checkpoints are held as (the GPU check's
+/// 4-bit decode): the plan's blocks are made on the host from the bf16 values the device would
+/// fill, each block rounded to nearest (`u4_blocks::quantize_matrix`), and uploaded; the rest
+/// filled on the device. Bit for bit what those blocks made on the host and uploaded compute.
+#[test]
+fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
+    let config = open("llama", ComputeDtype::Bf16).config;
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
+    };
+    let lowered = models::lower_without_weights_in_blocks(&config, options, Some(quant::GgmlType::U4B32)).unwrap();
+    let graph = fused_for(&lowered, Target::H200);
+    let seed = 4;
+    let mut tensors = runtime::random_weights::host_weights(&lowered, seed);
+    let mut blocks = 0;
+    for node in lowered.nodes() {
+        let ir::Op::Weight { name } = &node.op else { continue };
+        if node.dtype == ir::DType::U4B32 {
+            let tensor = tensors.get_mut(name).unwrap();
+            let view = quant::tensor::TensorView {
+                shape: &tensor.shape,
+                dtype: tensor.dtype,
+                bytes: &tensor.bytes,
+            };
+            tensor.bytes = quant::u4_blocks::quantize_matrix(&view);
+            tensor.dtype = quant::GgmlType::U4B32;
+            blocks += 1;
+        }
+    }
+    assert_eq!(blocks, 7 * config.layers, "every projection of every layer");
+    let weights = models::WeightSource::Memory(tensors);
+    let both = generated_and_uploaded_over(config, graph, &weights, seed, 2);
+    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::U4B32));
     assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::BF16));
     generated_steps_agree(&both);
 }

@@ -874,7 +874,8 @@ fn sharded_safetensors_load_like_one_file() {
 
 /// A model lowered from its config alone (no weights; what the GPU check's 8B-shaped decode
 /// and the compile-time benchmark use) is the graph its weights give, for every family; so is
-/// one quantized to FP8 as it loads.
+/// one quantized to FP8 as it loads, and the tiny Llama in 4-bit blocks as its GPTQ
+/// checkpoint's.
 #[test]
 fn lowering_without_weights_gives_the_graph_the_weights_give() {
     for family in [
@@ -913,6 +914,17 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
     };
     let err = models::lower_without_weights_quantized(&models::ModelConfig::llama3_8b(), options, Some("awq"));
     assert!(err.unwrap_err().to_string().contains("`fp8` only"));
+    // In 4-bit blocks, the graph a GPTQ checkpoint of the same projections gives.
+    let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama_gptq"));
+    spec.dtype = ComputeDtype::Bf16;
+    spec.quantization = Some("gptq".into());
+    let gptq = Model::open(spec).unwrap();
+    let implied = models::lower_without_weights_in_blocks(&gptq.config, options, Some(quant::GgmlType::U4B32)).unwrap();
+    let lowered = gptq.lower(LogitsFor::LastToken).unwrap().to_text();
+    assert!(lowered.contains("u4_b32"));
+    assert_eq!(implied.to_text(), lowered, "llama in 4-bit blocks");
+    let err = models::lower_without_weights_in_blocks(&gptq.config, options, Some(quant::GgmlType::Q4K));
+    assert!(err.unwrap_err().to_string().contains("FP8 or 4-bit blocks only"));
     let eight_b = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,

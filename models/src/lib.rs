@@ -21,8 +21,9 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use families::{
-    lower, lower_mtp, lower_mtp_without_weights, lower_without_weights, lower_without_weights_quantized,
-    with_greedy_token, with_hidden_states, ComputeDtype, KvCacheDtype, LogitsFor, LowerOptions,
+    lower, lower_mtp, lower_mtp_without_weights, lower_without_weights, lower_without_weights_in_blocks,
+    lower_without_weights_quantized, with_greedy_token, with_hidden_states, ComputeDtype, KvCacheDtype, LogitsFor,
+    LowerOptions,
 };
 pub use generation_defaults::GenerationDefaults;
 pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec, Speculative};

@@ -124,9 +124,9 @@ pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Res
 
 /// Weight `w` of the plan made on `device` from `seed`: whole tensors of f32 or bf16 filled
 /// there; a weight whose parts regroup rows of its tensors (interleaved heads), or of another
-/// dtype (an f16 plan's, from the bf16 values as a checkpoint would hold them; FP8 blocks
-/// quantized from them), made on the host from the same values, regrouped as a file's would
-/// be, and uploaded.
+/// dtype (an f16 plan's, from the bf16 values as a checkpoint would hold them; FP8 or 4-bit
+/// blocks quantized from them), made on the host from the same values, regrouped as a file's
+/// would be, and uploaded.
 pub(crate) fn make_weight<D: PlanDevice>(
     device: &mut D,
     graph: &Graph,
@@ -149,14 +149,19 @@ pub(crate) fn make_weight<D: PlanDevice>(
         for part in &w.parts {
             let name = part.name();
             let mut tensor = host_tensor(seed, name, shape_of(name)?);
-            if w.dtype == DType::F8E4M3B32 {
-                // Quantized from the bf16 values, as the host's weights are as they load.
-                tensor.bytes = quant::fp8_blocks::quantize_matrix(&quant::tensor::TensorView {
-                    shape: &tensor.shape,
-                    dtype: tensor.dtype,
-                    bytes: &tensor.bytes,
-                });
-                tensor.dtype = quant::GgmlType::F8E4M3B32;
+            // Blocks quantized from the bf16 values, as the host's weights are as they load.
+            let view = quant::tensor::TensorView {
+                shape: &tensor.shape,
+                dtype: tensor.dtype,
+                bytes: &tensor.bytes,
+            };
+            let blocks = match w.dtype {
+                DType::F8E4M3B32 => Some((quant::fp8_blocks::quantize_matrix(&view), quant::GgmlType::F8E4M3B32)),
+                DType::U4B32 => Some((quant::u4_blocks::quantize_matrix(&view), quant::GgmlType::U4B32)),
+                _ => None,
+            };
+            if let Some((bytes, dtype)) = blocks {
+                (tensor.bytes, tensor.dtype) = (bytes, dtype);
             }
             tensors.insert(name.to_string(), tensor);
         }

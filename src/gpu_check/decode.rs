@@ -29,22 +29,24 @@ pub(super) fn serving_executor(
     quantized_serving_executor(name, config, target, served, kernels, None)
 }
 
-/// [`serving_executor`] of the model quantized as it loads (`--quantization`): its FP8
-/// blocks made on the host from the values the device would fill, and uploaded.
+/// [`serving_executor`] of the model with the weights a checkpoint quantized as it loads
+/// would quantize held as `blocks` (FP8 blocks as `--quantization fp8` makes, or the 4-bit
+/// blocks a GPTQ or AWQ checkpoint is held as): made on the host from the values the device
+/// would fill, and uploaded.
 pub(super) fn quantized_serving_executor(
     name: &str,
     config: &models::ModelConfig,
     (target, arch): (Target, &str),
     (run, context): (&DecodeRun, usize),
     kernels: impl Into<gpu::PlanKernels>,
-    quantization: Option<&str>,
+    blocks: Option<quant::GgmlType>,
 ) -> Result<PlanExecutor<CudaDevice>> {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
         kv_cache: models::KvCacheDtype::Auto,
     };
-    let graph = models::lower_without_weights_quantized(config, options, quantization)?;
+    let graph = models::lower_without_weights_in_blocks(config, options, blocks)?;
     let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
     let graph = models::with_greedy_token(&graph)?;
     let block_size = 16;

@@ -172,17 +172,28 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     drop(vector);
     // And quantized to FP8 as it loads (`--quantization fp8`): 9 bits a weight where bf16
     // takes 16, the steps' GEMVs decoding the blocks as they stream them.
-    let name = "Llama-8B-shaped, FP8 weights (--quantization fp8)";
-    let quantized = super::decode::quantized_serving_executor(
-        name,
-        &config,
-        (target, arch),
-        (&run, 0),
-        codegen::gpu::PlanKernels::default(),
-        Some("fp8"),
-    )?;
-    print_prefill(name, &quantized, &run)?;
-    print_steps(name, &run, &time_decode(&quantized, &run)?, bandwidth)?;
+    // And in the 4-bit blocks a GPTQ or AWQ checkpoint is held as: 6 bits a weight.
+    for (name, blocks) in [
+        (
+            "Llama-8B-shaped, FP8 weights (--quantization fp8)",
+            quant::GgmlType::F8E4M3B32,
+        ),
+        (
+            "Llama-8B-shaped, 4-bit weights (as GPTQ and AWQ are held)",
+            quant::GgmlType::U4B32,
+        ),
+    ] {
+        let quantized = super::decode::quantized_serving_executor(
+            name,
+            &config,
+            (target, arch),
+            (&run, 0),
+            codegen::gpu::PlanKernels::default(),
+            Some(blocks),
+        )?;
+        print_prefill(name, &quantized, &run)?;
+        print_steps(name, &run, &time_decode(&quantized, &run)?, bandwidth)?;
+    }
     Ok(())
 }
 

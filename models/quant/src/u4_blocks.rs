@@ -46,6 +46,45 @@ pub fn block(scale: f32, offset: f32, levels: &[u8; 32]) -> [u8; BLOCK_BYTES] {
     out
 }
 
+/// 32 weights rounded to nearest 4-bit levels over their range, as integer checkpoints are
+/// made without calibration: the scale the range over 15, rounded to f16 (so it is
+/// [`exact`]), the zero point the level of 0, each level the weight over the scale plus the
+/// zero point, rounded and clamped to 0…15; the offset `−zero · scale`. A block of zeros (or
+/// of NaNs) is levels of 0 under the least f16 scale.
+pub fn quantize_block(x: &[f32]) -> [u8; BLOCK_BYTES] {
+    debug_assert_eq!(x.len(), BLOCK_ELEMS);
+    let (low, high) = x.iter().fold((0f32, 0f32), |(l, h), &v| (l.min(v), h.max(v)));
+    let least = half::f16::from_bits(1).to_f32();
+    let scale = half::f16::from_f32(((high - low) / 15.0).clamp(least, half::f16::MAX.to_f32())).to_f32();
+    let zero = (-low / scale).round().clamp(0.0, 15.0);
+    let levels = std::array::from_fn(|i| (x[i] / scale + zero).round().clamp(0.0, 15.0) as u8);
+    block(scale, -zero * scale, &levels)
+}
+
+/// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) as
+/// 4-bit blocks, row by row ([`quantize_block`]), on the pool.
+pub fn quantize_matrix(view: &crate::tensor::TensorView<'_>) -> Vec<u8> {
+    use rayon::prelude::*;
+    let [rows, cols] = view.shape[..] else {
+        panic!("a matrix to quantize has two dims, not {:?}", view.shape)
+    };
+    assert!(view.dtype.block_layout().0 == 1 && cols % BLOCK_ELEMS == 0);
+    let row_bytes = view.dtype.block_layout().1 * cols;
+    let mut out = vec![0u8; rows * cols / BLOCK_ELEMS * BLOCK_BYTES];
+    out.par_chunks_mut(cols / BLOCK_ELEMS * BLOCK_BYTES)
+        .zip(view.bytes.par_chunks(row_bytes))
+        .for_each_init(
+            || vec![0f32; cols],
+            |row, (blocks, stored)| {
+                view.dtype.dequantize(stored, row);
+                for (x, out) in row.chunks_exact(BLOCK_ELEMS).zip(blocks.chunks_exact_mut(BLOCK_BYTES)) {
+                    out.copy_from_slice(&quantize_block(x));
+                }
+            },
+        );
+    out
+}
+
 /// Whether weights `(q − z) · scale` for levels `q` below 16 and zero points `z` up to 16 are
 /// exactly `q · scale + (−z · scale)` with both operations exact: the scale is finite and its
 /// significand has its four lowest bits clear (so a product by at most 16 needs no rounding,
@@ -91,5 +130,31 @@ mod tests {
             (!h.is_finite() || exact(h)) && (!bf.is_finite() || bf.abs() > 1e37 || exact(bf))
         }));
         assert!(!exact(1.0 + f32::EPSILON) && !exact(f32::NAN) && !exact(f32::MAX));
+    }
+
+    /// Rounded to nearest: every weight within half a step (and the clamped ends within one)
+    /// of its level's value, the scale exact, zero blocks all zero.
+    #[test]
+    fn quantized_blocks_are_within_half_a_step() {
+        for b in 0..200usize {
+            let x: [f32; 32] = std::array::from_fn(|i| {
+                let v = (((b * 32 + i) * 2654435761usize) >> 7) % 2001;
+                (v as f32 - 1000.0 + 300.0 * (b % 3) as f32) * 1e-3 * (1 + b % 7) as f32
+            });
+            let bytes = quantize_block(&x);
+            let (scale, _) = scale_offset(&bytes);
+            assert!(exact(scale) && scale > 0.0);
+            let mut got = [0f32; 32];
+            dequantize_block(&bytes, &mut got);
+            for (g, w) in got.iter().zip(&x) {
+                assert!(
+                    (g - w).abs() <= scale * 0.5 + scale * 2e-3,
+                    "block {b}: {g} for {w}, step {scale}"
+                );
+            }
+        }
+        let mut zeros = [0f32; 32];
+        dequantize_block(&quantize_block(&[0.0; 32]), &mut zeros);
+        assert_eq!(zeros, [0.0; 32]);
     }
 }

@@ -169,7 +169,7 @@ pub fn lower(config: &ModelConfig, weights: &WeightSource, options: LowerOptions
 /// shape-only graphs whose weights are made where they run (the GPU check's Llama-8B-shaped
 /// decode fills them on the device).
 pub fn lower_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
-    build(config, Catalog::Implied { fp8: false }, options)
+    build(config, Catalog::Implied { blocks: None }, options)
 }
 
 /// [`lower_without_weights`] for a model quantized as it loads (`quantization` as
@@ -181,9 +181,9 @@ pub fn lower_without_weights_quantized(
     options: LowerOptions,
     quantization: Option<&str>,
 ) -> Result<Graph> {
-    let fp8 = match quantization {
-        None => false,
-        Some(q) if q.eq_ignore_ascii_case(crate::fp8_on_load::METHOD) => true,
+    let blocks = match quantization {
+        None => None,
+        Some(q) if q.eq_ignore_ascii_case(crate::fp8_on_load::METHOD) => Some(GgmlType::F8E4M3B32),
         Some(q) => {
             return Err(ModelError::Quantization {
                 asked: q.to_string(),
@@ -194,7 +194,25 @@ pub fn lower_without_weights_quantized(
             })
         }
     };
-    build(config, Catalog::Implied { fp8 }, options)
+    lower_without_weights_in_blocks(config, options, blocks)
+}
+
+/// [`lower_without_weights`] with the weights a checkpoint quantized as it loads would
+/// quantize (`fp8_on_load::quantizes`) held as `blocks` (FP8 blocks, or the 4-bit blocks a
+/// GPTQ, AWQ or compressed-tensors checkpoint's 4-bit weights are held as): for timing a
+/// quantized model's shape with weights made where it runs.
+pub fn lower_without_weights_in_blocks(
+    config: &ModelConfig,
+    options: LowerOptions,
+    blocks: Option<GgmlType>,
+) -> Result<Graph> {
+    if let Some(other) = blocks.filter(|b| !matches!(b, GgmlType::F8E4M3B32 | GgmlType::U4B32)) {
+        return Err(ModelError::Quantization {
+            asked: other.name().to_string(),
+            what: "a model without weights is held in FP8 or 4-bit blocks only".into(),
+        });
+    }
+    build(config, Catalog::Implied { blocks }, options)
 }
 
 fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> Result<Graph> {
@@ -455,9 +473,9 @@ impl Naming {
 enum Catalog<'w> {
     /// A file's or directory's tensors, named as it names them.
     Source(&'w WeightSource),
-    /// No weights: see [`lower_without_weights`]; with `fp8`, those quantized as they load
-    /// are FP8 blocks ([`lower_without_weights_quantized`]).
-    Implied { fp8: bool },
+    /// No weights: see [`lower_without_weights`]; with `blocks`, those a checkpoint quantized
+    /// as it loads would quantize are held as such blocks ([`lower_without_weights_in_blocks`]).
+    Implied { blocks: Option<GgmlType> },
 }
 
 impl Catalog<'_> {
@@ -476,8 +494,10 @@ impl Catalog<'_> {
                 }
                 Ok(dtype)
             }
-            Self::Implied { fp8: true } if crate::fp8_on_load::quantizes(name, Self::IMPLIED_STORAGE, shape) => {
-                Ok(GgmlType::F8E4M3B32)
+            Self::Implied { blocks: Some(blocks) }
+                if crate::fp8_on_load::quantizes(name, Self::IMPLIED_STORAGE, shape) =>
+            {
+                Ok(*blocks)
             }
             Self::Implied { .. } => Ok(Self::IMPLIED_STORAGE),
         }

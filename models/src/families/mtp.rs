@@ -36,7 +36,7 @@ pub fn lower_mtp_without_weights(config: &ModelConfig, options: LowerOptions) ->
         Family::Glm4Moe | Family::GlmMoeDsa => Naming::Hf(HfPrefix::Text),
         _ => Naming::Hf(HfPrefix::Mtp(TextPrefix::Text)),
     };
-    build_mtp(config, Catalog::Implied { fp8: false }, naming, options)
+    build_mtp(config, Catalog::Implied { blocks: None }, naming, options)
 }
 
 impl Family {
