@@ -934,6 +934,67 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     assert!(err.contains("not quantized"), "{err}");
 }
 
+/// Random weights in the 4-bit blocks of a GPTQ, AWQ or compressed-tensors checkpoint
+/// (`--load-format dummy -q awq`, as vLLM takes it): every projection is the random bf16
+/// matrix rounded to nearest into 4-bit blocks, everything else as unquantized; an artifact
+/// compiled so records the method, its graph reads 4-bit blocks, and it runs as the model
+/// loaded so. Over a checkpoint of floats the method is refused.
+#[test]
+fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
+    let scratch = common::scratch_dir("bbc-u4-dummy-");
+    let config = scratch.path().join("config.json");
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
+    let config = config.to_str().unwrap();
+    let load = |quantization: Option<&str>| {
+        let options = bbc::model_ref::LoadOptions {
+            quantization: quantization.map(str::to_string),
+            quiet: true,
+            fuse: false,
+            ..Default::default()
+        };
+        bbc::model_ref::load(config, options).unwrap()
+    };
+    let plain = load(None);
+    for method in ["awq", "gptq_marlin", "compressed-tensors"] {
+        let quantized = load(Some(method));
+        let mut blocks = 0;
+        for name in plain.model.weights.names() {
+            let (was, is) = (
+                plain.model.weights.require(name).unwrap(),
+                quantized.model.weights.require(name).unwrap(),
+            );
+            if is.dtype == quant::GgmlType::U4B32 {
+                assert_eq!(is.bytes, quant::u4_blocks::quantize_matrix(&was), "{name}");
+                blocks += 1;
+            } else {
+                assert!(is.dtype == was.dtype && is.bytes == was.bytes, "{name}");
+            }
+        }
+        assert_eq!(blocks, 21, "{method}: 7 projections a layer");
+    }
+    let artifact = scratch.path().join("artifact");
+    let out = artifact.to_str().unwrap();
+    bbc(&["compile", config, "--target", "cpu", "-q", "awq", "-o", out]);
+    assert_eq!(
+        codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
+        Some("awq")
+    );
+    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
+        .unwrap()
+        .contains("u4_b32"));
+    let run = |model: &str, extra: &[&str]| {
+        let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
+        json(&[&args[..], extra].concat())["ids"].clone()
+    };
+    assert_eq!(run(out, &[]), run(config, &["-q", "awq"]));
+    let plain_dir = common::fixture("hf-tiny/llama");
+    let err = refused(&["run", plain_dir.to_str().unwrap(), "--prompt-ids", "1", "-q", "awq"]);
+    assert!(
+        err.contains("not quantized") && err.contains("random weights also"),
+        "{err}"
+    );
+}
+
 /// GPTQ and AWQ checkpoints run from the command line as the reference runs their products
 /// (its greedy ids over its prompt), also under vLLM's names for their kernels and with a bf16
 /// model around their blocks; another method is refused naming theirs. A CPU artifact of one

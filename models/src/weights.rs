@@ -158,7 +158,10 @@ impl WeightSource {
 
     /// Makes the weights quantized as `asked` (vLLM's `--quantization`): weights already
     /// quantized so are taken as they are; a checkpoint of floats is quantized as it loads
-    /// where bbc knows how (`fp8`: [`fp8_on_load`](crate::fp8_on_load)). Anything else is
+    /// where bbc knows how (`fp8`: [`fp8_on_load`](crate::fp8_on_load)); random weights (made
+    /// in memory, vLLM's `--load-format dummy`) also as the 4-bit blocks a GPTQ, AWQ or
+    /// compressed-tensors checkpoint is held as (`gptq`, `awq`, `compressed-tensors`: each
+    /// block rounded to nearest, `quant::u4_blocks::quantize_matrix`). Anything else is
     /// refused, naming what the weights hold.
     pub fn quantize_as(&mut self, asked: &str) -> Result<()> {
         let named = crate::checkpoint_quantization::method_named(asked);
@@ -166,18 +169,21 @@ impl WeightSource {
             asked: asked.to_string(),
             what,
         };
-        match self.quantization() {
+        let random = matches!(self, Self::Memory(_));
+        let blocks = match self.quantization() {
             Some(held) if held == named => return Ok(()),
             Some(held) => return Err(refused(format!("the model's weights are quantized as `{held}`"))),
-            None if named != crate::fp8_on_load::METHOD => {
+            None if named == crate::fp8_on_load::METHOD => GgmlType::F8E4M3B32,
+            None if random && matches!(named.as_str(), "gptq" | "awq" | "compressed-tensors") => GgmlType::U4B32,
+            None => {
                 return Err(refused(format!(
                     "the model's weights are not quantized, and bbc quantizes them as they load as `{}` only \
-                     (else give it a checkpoint quantized so, or a GGUF file)",
+                     (random weights also as `gptq`, `awq` or `compressed-tensors`; else give it a checkpoint \
+                     quantized so, or a GGUF file)",
                     crate::fp8_on_load::METHOD
                 )))
             }
-            None => {}
-        }
+        };
         let quantized = match self {
             Self::Gguf(..) => unreachable!("a GGUF file's weights are quantized as `gguf`"),
             Self::Safetensors(dir) => dir.quantize_fp8_on_load(),
@@ -190,8 +196,11 @@ impl WeightSource {
                             dtype: tensor.dtype,
                             bytes: &tensor.bytes,
                         };
-                        tensor.bytes = crate::fp8_on_load::quantize(&view);
-                        tensor.dtype = GgmlType::F8E4M3B32;
+                        tensor.bytes = match blocks {
+                            GgmlType::U4B32 => quant::u4_blocks::quantize_matrix(&view),
+                            _ => crate::fp8_on_load::quantize(&view),
+                        };
+                        tensor.dtype = blocks;
                         count += 1;
                     }
                 }
