@@ -1258,6 +1258,7 @@ fn fp8_checkpoints_match_hf() {
 /// Integer checkpoints (`make_int_variants.py`): the weights of `llama` and `qwen3_next`
 /// stored as packed integer levels with scales (and zero points) by compressed-tensors
 /// (`pack-quantized`: 4 bits symmetric and asymmetric in groups of 32, 8 bits a scale a row;
+/// `int-quantized`, a level a byte: 8 bits with zero points in groups of 32;
 /// Qwen3-Next's experts, Gated DeltaNet and attention at 4 bits a scale a row), GPTQ (4 bits in
 /// groups of 32, also with act-order) and AWQ (its GEMM layout). Each weight is `(q − z) · s` in
 /// f32 whether read in f32 or held: as 4-bit blocks where its levels have 4 bits, its groups
@@ -1275,6 +1276,7 @@ fn integer_checkpoints_match_hf() {
         ("llama_w4a16", "compressed-tensors", down, F8E4M3B32),
         ("llama_w4a16_asym", "compressed-tensors", down, U4B32),
         ("llama_w8a16", "compressed-tensors", down, F32),
+        ("llama_w8a16_int", "compressed-tensors", down, F32),
         ("llama_gptq", "gptq", down, U4B32),
         ("llama_gptq_act_order", "gptq", down, F32),
         ("llama_awq", "awq", down, U4B32),

@@ -611,7 +611,8 @@ fn unreadable_fp8_checkpoints_are_named() {
 
 /// Packed integer weights that cannot be read are refused naming the weight and what is wrong:
 /// integers in a checkpoint whose config names no integer method, or beside no weight; a
-/// weight without its scales or zero points, levels that are not 32-bit words, a group index
+/// weight without its scales or zero points, levels that are not 32-bit words (or, in
+/// compressed-tensors' `int-quantized`, bytes), a group index
 /// naming a group the scales lack, compressed-tensors' levels without their shape or of
 /// another; and a GPTQ width bbc does not unpack.
 #[test]
@@ -678,12 +679,30 @@ fn unreadable_integer_checkpoints_are_named() {
             "3-bit GPTQ",
         ),
         (
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "int-quantized",
+                "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8}}}}),
+            vec![
+                ("w.weight", I32, vec![16, 64], vec![0u8; 16 * 64 * 4]),
+                ("w.weight_scale", F16, vec![16, 1], vec![0u8; 32]),
+            ],
+            "its levels are not bytes",
+        ),
+        (
             packed.clone(),
             vec![
                 ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
                 ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
             ],
             "it has no `w.weight_shape`",
+        ),
+        (
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "int-quantized",
+                "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8}}}}),
+            vec![
+                ("w.weight", I32, vec![16, 64], vec![0u8; 16 * 64 * 4]),
+                ("w.weight_scale", F16, vec![16, 1], vec![0u8; 32]),
+            ],
+            "its levels are not bytes",
         ),
         (
             packed.clone(),

@@ -1,7 +1,7 @@
 //! Integer checkpoints: linear weights stored as packed integer levels `q` with a scale `s`
 //! (and a zero point `z`) for each group of a row, as GPTQ (`quant_method: "gptq"`), AWQ
 //! (`"awq"`, its GEMM layout) and compressed-tensors (`"compressed-tensors"`,
-//! `pack-quantized`) save them. A weight is `(q − z) · s`.
+//! `pack-quantized`, and `int-quantized` a level a byte) save them. A weight is `(q − z) · s`.
 //!
 //! bbc reads them as those libraries dequantize them, each product in f32. Where levels have
 //! at most 4 bits and every 32 columns of a row lie in one group, each 32 columns of a row
@@ -39,6 +39,10 @@ pub enum Packing {
     /// `[rows, groups]`, the weight's shape (`weight_shape`) and with act-order
     /// `weight_g_idx`. Stacked experts lead every part with their dim.
     CompressedTensors,
+    /// compressed-tensors' `int-quantized`: a signed level a byte (`weight`, `I8`, `[rows,
+    /// cols]`), zero points a byte (`weight_zero_point` `[rows, groups]`, asymmetric only),
+    /// scales `[rows, groups]`; stacked experts lead every part with their dim.
+    CompressedTensorsBytes,
 }
 
 /// What a checkpoint's `quantization_config` says of its integer weights.
@@ -81,6 +85,13 @@ impl IntScheme {
                 group_index: "weight_g_idx",
                 shape: Some("weight_shape"),
             },
+            Packing::CompressedTensorsBytes => PartNames {
+                levels: "weight",
+                zeros: "weight_zero_point",
+                scales: "weight_scale",
+                group_index: "weight_g_idx",
+                shape: None,
+            },
         }
     }
 
@@ -88,11 +99,21 @@ impl IntScheme {
         (1u64 << self.bits) - 1
     }
 
-    /// What compressed-tensors adds to a signed level to store it.
+    /// What compressed-tensors adds to a signed level to pack it (and what bbc adds to its
+    /// signed bytes, so every packing's levels are unsigned).
     fn offset(&self) -> i32 {
         match self.packing {
-            Packing::CompressedTensors => 1 << (self.bits - 1),
+            Packing::CompressedTensors | Packing::CompressedTensorsBytes => 1 << (self.bits - 1),
             _ => 0,
+        }
+    }
+
+    /// Bytes of a level or zero point as the file stores them: a 32-bit word of several, or a
+    /// byte of one.
+    pub fn element_bytes(&self) -> usize {
+        match self.packing {
+            Packing::CompressedTensorsBytes => 1,
+            _ => 4,
         }
     }
 }
@@ -146,9 +167,14 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntSc
                 group_size: group_size(&["group_size", "q_group_size"]),
             })
         })()),
-        "compressed-tensors" if text("format").as_deref() == Some("pack-quantized") => {
+        "compressed-tensors" => {
+            let packing = match text("format").as_deref() {
+                Some("pack-quantized") => Packing::CompressedTensors,
+                Some("int-quantized") => Packing::CompressedTensorsBytes,
+                _ => return None,
+            };
             Some(compressed_tensors_weights(quant).map(|(bits, group_size)| IntScheme {
-                packing: Packing::CompressedTensors,
+                packing,
                 bits,
                 group_size,
             }))
@@ -170,7 +196,7 @@ fn compressed_tensors_weights(quant: &serde_json::Value) -> Result<(u32, Option<
         let bits = weights.get("num_bits").and_then(|b| b.as_u64()).unwrap_or(0);
         if kind != Some("int") || !(1..=8).contains(&bits) {
             return Err(format!(
-                "group `{name}` packs weights of {bits} bits of type {kind:?}, not integers of 1 to 8 bits"
+                "group `{name}` holds weights of {bits} bits of type {kind:?}, not integers of 1 to 8 bits"
             ));
         }
         let group_size = weights
@@ -185,7 +211,7 @@ fn compressed_tensors_weights(quant: &serde_json::Value) -> Result<(u32, Option<
     }
     width
         .map(|(w, g)| (w as u32, g))
-        .ok_or_else(|| "`pack-quantized` with no group of weights".into())
+        .ok_or_else(|| "integer weights with no group of weights".into())
 }
 
 /// The shapes of one weight's parts as the file declares them.
@@ -250,6 +276,8 @@ impl PackedLayout {
                 (lead, rows, cols, words)
             }
             (Packing::CompressedTensors, _, None) => return Err("it has no `weight_shape`".into()),
+            (Packing::CompressedTensorsBytes, &[rows, cols], _) => (1, rows, cols, 0),
+            (Packing::CompressedTensorsBytes, &[experts, rows, cols], _) => (experts, rows, cols, 0),
             (_, levels, _) => return Err(format!("its packed levels are {levels:?}, not a matrix")),
         };
         if rows == 0 || cols == 0 {
@@ -264,10 +292,14 @@ impl PackedLayout {
                 )),
             }
         };
-        let (scale_rows, groups) = match (scheme.packing, &lead(parts.scales)?[..]) {
-            (Packing::CompressedTensors, &[r, g]) if r == rows || r == 1 => (r, g),
-            (Packing::CompressedTensors, &[n]) if n == rows || n == 1 => (n, 1),
-            (Packing::Gptq { .. } | Packing::Awq, &[g, r]) if r == rows => (rows, g),
+        let compressed_tensors = matches!(
+            scheme.packing,
+            Packing::CompressedTensors | Packing::CompressedTensorsBytes
+        );
+        let (scale_rows, groups) = match (compressed_tensors, &lead(parts.scales)?[..]) {
+            (true, &[r, g]) if r == rows || r == 1 => (r, g),
+            (true, &[n]) if n == rows || n == 1 => (n, 1),
+            (false, &[g, r]) if r == rows => (rows, g),
             (_, dims) => return Err(format!("its scales {dims:?} fit no layout of {rows} × {cols}")),
         };
         if groups == 0 || groups > cols {
@@ -277,7 +309,8 @@ impl PackedLayout {
             (Packing::Gptq { .. }, Some(z)) if z == [groups, rows / per] && rows.is_multiple_of(per) => 0,
             (Packing::Awq, Some(z)) if z == [groups, rows / 8] && rows.is_multiple_of(8) => 0,
             (Packing::CompressedTensors, Some(z)) if z == [(rows * scheme.bits as usize).div_ceil(32), groups] => z[0],
-            (Packing::CompressedTensors, None) => 0,
+            (Packing::CompressedTensorsBytes, Some(z)) if z == [rows, groups] => 0,
+            (Packing::CompressedTensors | Packing::CompressedTensorsBytes, None) => 0,
             (_, None) => return Err("it has no zero points".into()),
             (_, Some(z)) => {
                 return Err(format!(
@@ -370,9 +403,12 @@ impl PackedLayout {
         let scale_row = if self.scale_rows == 1 { 0 } else { row };
         // compressed-tensors' scales lie `[rows, groups]`, GPTQ's and AWQ's `[groups, rows]`.
         let scale_at = |group: usize| match scheme.packing {
-            Packing::CompressedTensors => (matrix * self.scale_rows + scale_row) * self.groups + group,
+            Packing::CompressedTensors | Packing::CompressedTensorsBytes => {
+                (matrix * self.scale_rows + scale_row) * self.groups + group
+            }
             _ => group * self.rows + row,
         };
+        let signed_byte = |bytes: &[u8], at: usize| i32::from(bytes[at] as i8) + offset;
         let zero = |group: usize| -> i32 {
             let Some(zeros) = parts.zeros else { return offset };
             match scheme.packing {
@@ -388,6 +424,7 @@ impl PackedLayout {
                     let first = matrix * self.zero_words * self.groups + group;
                     dense(zeros, first, self.groups, row * bits)
                 }
+                Packing::CompressedTensorsBytes => signed_byte(zeros, (matrix * self.rows + row) * self.groups + group),
             }
         };
         for (g, (z, s)) in out.zeros.iter_mut().zip(&mut out.scales).enumerate() {
@@ -407,6 +444,9 @@ impl PackedLayout {
                 Packing::CompressedTensors => {
                     let first = (matrix * self.rows + row) * self.row_words;
                     dense(parts.levels, first, 1, col * bits)
+                }
+                Packing::CompressedTensorsBytes => {
+                    signed_byte(parts.levels, (matrix * self.rows + row) * self.cols + col)
                 }
             };
         }
@@ -473,7 +513,8 @@ impl PackedLayout {
                 {
                     let group = self.group(b * u4_blocks::BLOCK_ELEMS);
                     let scale = row.scales[group];
-                    let levels = std::array::from_fn(|i| levels[i] as u8);
+                    // Levels of at most 4 bits; a byte's out of range for its width is masked.
+                    let levels = std::array::from_fn(|i| (levels[i] & 15) as u8);
                     out.copy_from_slice(&u4_blocks::block(scale, -(row.zeros[group] as f32) * scale, &levels));
                 }
             },
@@ -636,6 +677,23 @@ mod tests {
                     shape: None,
                 }
             }
+            Packing::CompressedTensorsBytes => {
+                let offset = 1i32 << (bits - 1);
+                let signed = |v: u32| (v as i32 - offset) as i8 as u8;
+                Packed {
+                    levels: q.iter().map(|&v| signed(v)).collect(),
+                    levels_shape: lead(matrices, vec![rows, cols]),
+                    zeros: z.map(|z| {
+                        (
+                            z.iter().map(|&v| signed(v)).collect(),
+                            lead(matrices, vec![rows, groups]),
+                        )
+                    }),
+                    scales_shape: lead(matrices, vec![rows, groups]),
+                    scales: s.to_vec(),
+                    shape: None,
+                }
+            }
             Packing::CompressedTensors => {
                 let row_words = (cols * bits).div_ceil(32);
                 let mut lw = vec![0u32; matrices * rows * row_words];
@@ -701,6 +759,8 @@ mod tests {
             s(Packing::CompressedTensors, 4),
             s(Packing::CompressedTensors, 3),
             s(Packing::CompressedTensors, 8),
+            s(Packing::CompressedTensorsBytes, 8),
+            s(Packing::CompressedTensorsBytes, 4),
         ]
     }
 
@@ -711,7 +771,7 @@ mod tests {
         /// offset), and the FP8 blocks hold the same products bit for bit.
         #[test]
         fn every_element_is_its_level_less_its_zero_times_its_scale(
-            which in 0usize..8,
+            which in 0usize..10,
             experts in 1usize..3,
             row_octets in 1usize..3,
             col_blocks in 1usize..4,
@@ -720,7 +780,8 @@ mod tests {
             seed in any::<u64>(),
         ) {
             let scheme = schemes()[which];
-            let matrices = if scheme.packing == Packing::CompressedTensors { experts } else { 1 };
+            let compressed_tensors = matches!(scheme.packing, Packing::CompressedTensors | Packing::CompressedTensorsBytes);
+            let matrices = if compressed_tensors { experts } else { 1 };
             let (rows, cols) = (row_octets * 8 * (32 / scheme.bits as usize).max(8) / 8, col_blocks * 32);
             // Groups of 64 columns, 32, or 16 (which split a block).
             let group_cols = match groups_per_block { 0 if cols % 64 == 0 => 64, 2 => 16, _ => 32 };
@@ -729,7 +790,7 @@ mod tests {
             let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
             let top = 1u32 << scheme.bits;
             let q: Vec<u32> = (0..matrices * rows * cols).map(|_| (next() % u64::from(top)) as u32).collect();
-            let with_zeros = asymmetric || scheme.packing != Packing::CompressedTensors;
+            let with_zeros = asymmetric || !compressed_tensors;
             let z: Vec<u32> = (0..matrices * rows * groups).map(|_| (next() % u64::from(top)) as u32).collect();
             let z_values: Vec<u32> = match scheme.packing {
                 // GPTQ's first format stores `z − 1`: a stored 0 is a zero point of 1.
@@ -971,6 +1032,12 @@ mod tests {
             .unwrap()
             .is_err());
         assert!(read("compressed-tensors", json!({"format": "float-quantized"})).is_none());
+        let bytes =
+            json!({"format": "int-quantized", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}});
+        assert_eq!(
+            read("compressed-tensors", bytes).unwrap().unwrap().packing,
+            Packing::CompressedTensorsBytes
+        );
         assert!(read("fp8", json!({})).is_none());
     }
 }

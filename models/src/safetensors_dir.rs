@@ -40,7 +40,7 @@ enum Stored {
 }
 
 /// A tensor bbc does not read as it is: its place, its declared shape, and its element's bytes
-/// (FP8 codes 1; integers 4 for I32, 8 for I64).
+/// (FP8 codes 1; integers 1, 4 or 8 for I8, I32 or I64).
 #[derive(Debug, Clone)]
 struct RawEntry {
     shard: usize,
@@ -224,9 +224,13 @@ impl SafetensorsDir {
                     }
                     None => None,
                 };
+                let width = scheme.element_bytes();
                 for (what, entry) in [("levels", Some(&levels)), ("zero points", zeros.as_ref())] {
-                    if entry.is_some_and(|e| e.element_bytes != 4) {
-                        return Err(bad(format!("its {what} are not 32-bit words")));
+                    if entry.is_some_and(|e| e.element_bytes != width) {
+                        return Err(bad(format!(
+                            "its {what} are not {}",
+                            if width == 1 { "bytes" } else { "32-bit words" }
+                        )));
                     }
                 }
                 let listed = group_index.as_ref().map(|g| self.integers(g));
@@ -256,8 +260,9 @@ impl SafetensorsDir {
             Some((name, entry)) => Err(ModelError::Safetensors {
                 path: self.shard_path(entry.shard).to_path_buf(),
                 what: format!(
-                    "tensor `{name}` holds integers; bbc reads them only as the parts of packed weights beside \
-                     the scales a GPTQ, AWQ or compressed-tensors `pack-quantized` checkpoint names{}",
+                    "tensor `{name}` holds integers; bbc reads them only as the parts of integer weights beside \
+                     the scales a GPTQ, AWQ or compressed-tensors (`pack-quantized`, `int-quantized`) checkpoint \
+                     names{}",
                     match scheme {
                         Some(_) => "",
                         None => " (this one's config.json names no such quantization)",
@@ -279,6 +284,7 @@ impl SafetensorsDir {
     fn integers(&self, entry: &RawEntry) -> Vec<i64> {
         let bytes = &self.shards[entry.shard].1[entry.start..entry.end];
         match entry.element_bytes {
+            1 => bytes.iter().map(|&b| i64::from(b as i8)).collect(),
             4 => bytes
                 .chunks_exact(4)
                 .map(|b| i64::from(i32::from_le_bytes(b.try_into().expect("4 bytes"))))
@@ -519,12 +525,13 @@ fn header_entry(
         Some("F16") => (Some(GgmlType::F16), 2),
         Some("BF16") => (Some(GgmlType::BF16), 2),
         Some("F8_E4M3") => (None, 1),
+        Some("I8") => (None, 1),
         Some("I32") => (None, 4),
         Some("I64") => (None, 8),
         other => {
             return Err(format!(
                 "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16, F8_E4M3 (with its scales) \
-                 and I32 and I64 (a packed integer weight's parts)"
+                 and I8, I32 and I64 (an integer weight's parts)"
             ))
         }
     };
@@ -577,8 +584,8 @@ fn header_entry(
                 start,
                 end,
             };
-            match element_bytes {
-                1 => Stored::F8E4M3(raw),
+            match info.get("dtype").and_then(|d| d.as_str()) {
+                Some("F8_E4M3") => Stored::F8E4M3(raw),
                 _ => Stored::Int(raw),
             }
         }
