@@ -487,17 +487,10 @@ impl PackedLayout {
         out
     }
 
-    /// Whether the weight can be held as 4-bit blocks ([`Self::u4_blocks`]) with scales
-    /// `scales`: it [fits blocks](Self::fits_blocks_of_32), its levels are whole nibbles, and
-    /// every scale makes the products exact (`u4_blocks::exact`).
-    pub fn fits_u4_blocks(&self, scales: &[f32]) -> bool {
-        self.fits_blocks_of_32() && scales.iter().all(|&s| u4_blocks::exact(s))
-    }
-
     /// The weight as 4-bit blocks of 32 (`quant::u4_blocks`): each block's levels as stored,
     /// its scale its group's, its offset the group's zero point times the scale, negated, so
-    /// each weight is `level · scale − zero · scale`, exactly `(q − z) · s`. The layout must
-    /// [fit them](Self::fits_u4_blocks).
+    /// each weight is `level · scale − zero · scale`, exactly `(q − z) · s` where every scale
+    /// is `u4_blocks::exact`. The layout must [fit blocks](Self::fits_blocks_of_32).
     pub fn u4_blocks(&self, parts: &PackedParts<'_>) -> Vec<u8> {
         assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
         let row_bytes = self.cols / u4_blocks::BLOCK_ELEMS * u4_blocks::BLOCK_BYTES;
@@ -837,8 +830,7 @@ mod tests {
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
             let any_long = s.iter().any(|&s| !u4_blocks::exact(s));
-            prop_assert_eq!(layout.fits_u4_blocks(&s), layout.fits_blocks_of_32() && !any_long);
-            if layout.fits_u4_blocks(&s) {
+            if layout.fits_blocks_of_32() && !any_long {
                 let blocks = layout.u4_blocks(&parts);
                 let mut widened = vec![0f32; values.len()];
                 GgmlType::U4B32.dequantize(&blocks, &mut widened);

@@ -92,7 +92,8 @@ impl SafetensorsDir {
     /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
     /// or f16), else held as blocks of 32 where they fit them (FP8 blocks, or 4-bit blocks for
     /// integer weights whose scales allow them: `ScaleGrid::fits_blocks_of_32`,
-    /// `PackedLayout::fits_u4_blocks`) and as the checkpoint's `dtype` where not.
+    /// `PackedLayout::fits_blocks_of_32`, `u4_blocks::exact`) and as the checkpoint's `dtype`
+    /// where not.
     pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
@@ -144,9 +145,10 @@ impl SafetensorsDir {
             None => checkpoint_dtype,
         };
         this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
-        this.pair_packed(ints, integers, |layout, scales| {
+        // Blocks of 32 of an integer checkpoint are 4-bit blocks where its scales allow them.
+        this.pair_packed(ints, integers, |layout, exact_scales| {
             match read_as(layout.fits_blocks_of_32()) {
-                GgmlType::F8E4M3B32 if layout.fits_u4_blocks(scales) => GgmlType::U4B32,
+                GgmlType::F8E4M3B32 if exact_scales => GgmlType::U4B32,
                 read_as => read_as,
             }
         })?;
@@ -193,7 +195,7 @@ impl SafetensorsDir {
         &mut self,
         mut ints: BTreeMap<String, RawEntry>,
         scheme: Option<IntScheme>,
-        read_as: impl Fn(&PackedLayout, &[f32]) -> GgmlType,
+        read_as: impl Fn(&PackedLayout, bool) -> GgmlType,
     ) -> Result<()> {
         if let Some(scheme) = scheme {
             let names = scheme.part_names();
@@ -244,7 +246,7 @@ impl SafetensorsDir {
                 let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
                 let weight = MadeWeight {
                     shape: matrix_shape(layout.shape()),
-                    read_as: read_as(&layout, &self.floats(&scales)),
+                    read_as: read_as(&layout, self.u4_exact(&scales)),
                     from: MadeFrom::Packed {
                         layout,
                         levels,
@@ -278,6 +280,12 @@ impl SafetensorsDir {
         let mut values = vec![0f32; entry.stored_shape.iter().product()];
         entry.dtype.dequantize(self.data(entry), &mut values);
         values
+    }
+
+    /// Whether every scale of `entry` makes 4-bit blocks exact (`u4_blocks::exact`): every f16
+    /// does; others are read to see.
+    fn u4_exact(&self, entry: &SafetensorsEntry) -> bool {
+        entry.dtype == GgmlType::F16 || self.floats(entry).iter().all(|&s| quant::u4_blocks::exact(s))
     }
 
     /// An integer tensor's values.
