@@ -862,6 +862,24 @@ fn read_json_file(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// `bbc run MODEL` (with `extra` arguments) over `reference`'s prompt ids for as many tokens
+/// as its greedy ids, greedy and past end of sequence: the ids it generates.
+fn greedy_over_reference_prompt(model: &str, reference: &common::hf_reference::Reference, extra: &[&str]) -> Vec<u32> {
+    let prompt: Vec<String> = reference.input_ids.iter().map(u32::to_string).collect();
+    let (prompt, steps) = (prompt.join(","), reference.greedy_ids.len().to_string());
+    let args = [
+        "run",
+        model,
+        "--prompt-ids",
+        &prompt,
+        "--max-tokens",
+        &steps,
+        "--ignore-eos",
+        "--json",
+    ];
+    ids(&json(&[&args[..], extra].concat())["ids"])
+}
+
 /// An FP8 checkpoint runs from the command line as transformers runs it (its greedy ids over
 /// the reference's prompt); vLLM's `--quantization` checks what quantized files hold: it passes
 /// where it names their method, and is refused naming what they hold otherwise. Over a
@@ -873,22 +891,7 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     let dir = common::fixture("hf-tiny/llama_fp8");
     let dir = dir.to_str().unwrap();
     let reference = common::hf_reference::Reference::of("llama_fp8");
-    let prompt: Vec<String> = reference.input_ids.iter().map(u32::to_string).collect();
-    let prompt = prompt.join(",");
-    let steps = reference.greedy_ids.len().to_string();
-    let run = |model: &str, extra: &[&str]| {
-        let args = [
-            "run",
-            model,
-            "--prompt-ids",
-            &prompt,
-            "--max-tokens",
-            &steps,
-            "--ignore-eos",
-            "--json",
-        ];
-        ids(&json(&[&args[..], extra].concat())["ids"])
-    };
+    let run = |model: &str, extra: &[&str]| greedy_over_reference_prompt(model, &reference, extra);
     let want: Vec<u32> = reference.greedy_ids.clone();
     assert_eq!(run(dir, &[]), want);
     assert_eq!(run(dir, &["--quantization", "fp8"]), want);
@@ -1009,22 +1012,7 @@ fn integer_checkpoints_run_and_compile() {
         let dir = common::fixture(&format!("hf-tiny/{name}"));
         let dir = dir.to_str().unwrap();
         let reference = common::hf_reference::Reference::of(name);
-        let prompt: Vec<String> = reference.input_ids.iter().map(u32::to_string).collect();
-        let prompt = prompt.join(",");
-        let steps = reference.greedy_ids.len().to_string();
-        let run = |model: &str, extra: &[&str]| {
-            let args = [
-                "run",
-                model,
-                "--prompt-ids",
-                &prompt,
-                "--max-tokens",
-                &steps,
-                "--ignore-eos",
-                "--json",
-            ];
-            ids(&json(&[&args[..], extra].concat())["ids"])
-        };
+        let run = |model: &str, extra: &[&str]| greedy_over_reference_prompt(model, &reference, extra);
         let want = reference.greedy_ids.clone();
         assert_eq!(run(dir, &[]), want, "{name}");
         assert_eq!(run(dir, &["-q", marlin]), want, "{name}");

@@ -696,15 +696,6 @@ fn unreadable_integer_checkpoints_are_named() {
             "it has no `w.weight_shape`",
         ),
         (
-            serde_json::json!({"quant_method": "compressed-tensors", "format": "int-quantized",
-                "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 8}}}}),
-            vec![
-                ("w.weight", I32, vec![16, 64], vec![0u8; 16 * 64 * 4]),
-                ("w.weight_scale", F16, vec![16, 1], vec![0u8; 32]),
-            ],
-            "its levels are not bytes",
-        ),
-        (
             packed.clone(),
             vec![
                 ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),

@@ -7,7 +7,6 @@
 
 use crate::tensor::TensorView;
 use ir::F8E4M3;
-use rayon::prelude::*;
 
 pub const BLOCK_ELEMS: usize = 32;
 pub const BLOCK_BYTES: usize = 36;
@@ -65,24 +64,9 @@ pub fn quantize_row(row: &[f32], out: &mut [u8]) {
 }
 
 /// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) as
-/// FP8 blocks, row by row ([`quantize_row`]), on the pool.
+/// FP8 blocks ([`quantize_block`]), row by row on the pool.
 pub fn quantize_matrix(view: &TensorView<'_>) -> Vec<u8> {
-    let [rows, cols] = view.shape[..] else {
-        panic!("a matrix to quantize has two dims, not {:?}", view.shape)
-    };
-    assert!(view.dtype.block_layout().0 == 1 && cols % BLOCK_ELEMS == 0);
-    let row_bytes = view.dtype.block_layout().1 * cols;
-    let mut out = vec![0u8; rows * cols / BLOCK_ELEMS * BLOCK_BYTES];
-    out.par_chunks_mut(cols / BLOCK_ELEMS * BLOCK_BYTES)
-        .zip(view.bytes.par_chunks(row_bytes))
-        .for_each_init(
-            || vec![0f32; cols],
-            |row, (blocks, stored)| {
-                view.dtype.dequantize(stored, row);
-                quantize_row(row, blocks);
-            },
-        );
-    out
+    crate::tensor::quantize_blocks_of_32(view, quantize_block)
 }
 
 #[cfg(test)]

@@ -95,3 +95,30 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::U4B32 => ir::DType::U4B32,
     }
 }
+
+/// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) in
+/// blocks of 32 weights, each `quantize_block`'s `N` bytes, row by row on the pool.
+pub(crate) fn quantize_blocks_of_32<const N: usize>(
+    view: &TensorView<'_>,
+    quantize_block: impl Fn(&[f32]) -> [u8; N] + Sync,
+) -> Vec<u8> {
+    use rayon::prelude::*;
+    let [rows, cols] = view.shape[..] else {
+        panic!("a matrix to quantize has two dims, not {:?}", view.shape)
+    };
+    assert!(view.dtype.block_layout().0 == 1 && cols % 32 == 0);
+    let row_bytes = view.dtype.block_layout().1 * cols;
+    let mut out = vec![0u8; rows * cols / 32 * N];
+    out.par_chunks_mut(cols / 32 * N)
+        .zip(view.bytes.par_chunks(row_bytes))
+        .for_each_init(
+            || vec![0f32; cols],
+            |row, (blocks, stored)| {
+                view.dtype.dequantize(stored, row);
+                for (x, out) in row.chunks_exact(32).zip(blocks.chunks_exact_mut(N)) {
+                    out.copy_from_slice(&quantize_block(x));
+                }
+            },
+        );
+    out
+}

@@ -62,27 +62,9 @@ pub fn quantize_block(x: &[f32]) -> [u8; BLOCK_BYTES] {
 }
 
 /// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) as
-/// 4-bit blocks, row by row ([`quantize_block`]), on the pool.
+/// 4-bit blocks ([`quantize_block`]), row by row on the pool.
 pub fn quantize_matrix(view: &crate::tensor::TensorView<'_>) -> Vec<u8> {
-    use rayon::prelude::*;
-    let [rows, cols] = view.shape[..] else {
-        panic!("a matrix to quantize has two dims, not {:?}", view.shape)
-    };
-    assert!(view.dtype.block_layout().0 == 1 && cols % BLOCK_ELEMS == 0);
-    let row_bytes = view.dtype.block_layout().1 * cols;
-    let mut out = vec![0u8; rows * cols / BLOCK_ELEMS * BLOCK_BYTES];
-    out.par_chunks_mut(cols / BLOCK_ELEMS * BLOCK_BYTES)
-        .zip(view.bytes.par_chunks(row_bytes))
-        .for_each_init(
-            || vec![0f32; cols],
-            |row, (blocks, stored)| {
-                view.dtype.dequantize(stored, row);
-                for (x, out) in row.chunks_exact(BLOCK_ELEMS).zip(blocks.chunks_exact_mut(BLOCK_BYTES)) {
-                    out.copy_from_slice(&quantize_block(x));
-                }
-            },
-        );
-    out
+    crate::tensor::quantize_blocks_of_32(view, quantize_block)
 }
 
 /// Whether weights `(q − z) · scale` for levels `q` below 16 and zero points `z` up to 16 are

@@ -660,15 +660,22 @@ mod tests {
             }
         }
         let storage = Storage::block_rows(GgmlType::F8E4M3B32, blocks.clone(), row_bytes).unwrap();
-        let m = Matrix { rows, cols, storage };
         let mut weights = vec![0f32; rows * cols];
         GgmlType::F8E4M3B32.dequantize(&blocks, &mut weights);
+        check_rows_kept(&Matrix { rows, cols, storage }, &weights);
+    }
+
+    /// Stacking `m` (40 rows of block storage) on itself, picking rows 1 and 2 of its groups
+    /// of 20, and transposing groups of 4 keep its weights `weights` (the transpose in f32).
+    fn check_rows_kept(m: &Matrix, weights: &[f32]) {
+        let cols = m.cols;
         let widened = |m: &Matrix| -> Vec<f32> {
             let mut row = vec![0f32; m.cols];
             (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
         };
-        let stacked = Matrix::stack_rows(&[&m, &m]).unwrap();
-        assert_eq!(widened(&stacked), [weights.clone(), weights.clone()].concat());
+        assert_eq!(widened(m), weights);
+        let stacked = Matrix::stack_rows(&[m, m]).unwrap();
+        assert_eq!(widened(&stacked), [weights, weights].concat());
         let picked = m.row_group_slice(20, 1, 2).unwrap();
         let want: Vec<f32> = [1, 2, 21, 22]
             .iter()
@@ -714,21 +721,7 @@ mod tests {
                 }
             }
         }
-        let widened = |m: &Matrix| -> Vec<f32> {
-            let mut row = vec![0f32; m.cols];
-            (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
-        };
-        let stacked = Matrix::stack_rows(&[&m, &m]).unwrap();
-        assert_eq!(widened(&stacked), [weights.clone(), weights.clone()].concat());
-        let picked = m.row_group_slice(20, 1, 2).unwrap();
-        let want: Vec<f32> = [1, 2, 21, 22]
-            .iter()
-            .flat_map(|&r| weights[r * cols..(r + 1) * cols].to_vec())
-            .collect();
-        assert_eq!(widened(&picked), want);
-        let transposed = m.transpose_row_groups(4, 0, 3).unwrap();
-        assert!(matches!(transposed.storage, Storage::F32(_)));
-        assert_eq!(widened(&transposed)[1], weights[cols]);
+        check_rows_kept(&m, &weights);
     }
 
     /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,
