@@ -709,6 +709,20 @@ fn unreadable_integer_checkpoints_are_named() {
             ],
             "not [16, 12] for a weight of [16, 96]",
         ),
+        (
+            packed.clone(),
+            vec![
+                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
+                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
+                (
+                    "w.weight_shape",
+                    I64,
+                    vec![2],
+                    [16i64, -64].iter().flat_map(|d| d.to_le_bytes()).collect(),
+                ),
+            ],
+            "[16, -64] is not a weight's shape",
+        ),
     ];
     for (quantization, tensors, needle) in cases {
         let mut config = config.clone();

@@ -222,7 +222,12 @@ impl SafetensorsDir {
                             .remove(&part(end))
                             .ok_or_else(|| bad(format!("it has no `{}`", part(end))))?;
                         let dims = self.integers(&entry);
-                        Some(dims.iter().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect())
+                        // A dimension is at most the file's bytes: no product of them overflows.
+                        let largest = self.shards[levels.shard].1.len() as i64 * 8;
+                        if dims.iter().any(|&d| !(0..=largest).contains(&d)) {
+                            return Err(bad(format!("its `{}` {dims:?} is not a weight's shape", part(end))));
+                        }
+                        Some(dims.iter().map(|&d| d as usize).collect())
                     }
                     None => None,
                 };
