@@ -726,15 +726,30 @@ mod tests {
         }
     }
 
+    impl Packed {
+        /// The parts' shapes, no group index listed.
+        fn shapes(&self) -> PartShapes<'_> {
+            PartShapes {
+                levels: &self.levels_shape,
+                zeros: self.zeros.as_ref().map(|z| &z.1[..]),
+                scales: &self.scales_shape,
+                group_index: None,
+                shape: self.shape.clone(),
+            }
+        }
+
+        /// The parts' bytes.
+        fn parts(&self) -> PackedParts<'_> {
+            PackedParts {
+                levels: &self.levels,
+                zeros: self.zeros.as_ref().map(|z| &z.0[..]),
+                scales: &self.scales,
+            }
+        }
+    }
+
     fn layout(scheme: IntScheme, p: &Packed) -> PackedLayout {
-        let parts = PartShapes {
-            levels: &p.levels_shape,
-            zeros: p.zeros.as_ref().map(|z| &z.1[..]),
-            scales: &p.scales_shape,
-            group_index: None,
-            shape: p.shape.clone(),
-        };
-        PackedLayout::of(scheme, &parts, None).expect("a layout")
+        PackedLayout::of(scheme, &p.shapes(), None).expect("a layout")
     }
 
     fn schemes() -> Vec<IntScheme> {
@@ -799,11 +814,7 @@ mod tests {
             let packed = pack(scheme, matrices, rows, cols, group_cols, &q, with_zeros.then_some(&z_values[..]), &s);
             let layout = layout(scheme, &packed);
             prop_assert_eq!(layout.shape(), lead(matrices, vec![rows, cols]));
-            let parts = PackedParts {
-                levels: &packed.levels,
-                zeros: packed.zeros.as_ref().map(|z| &z.0[..]),
-                scales: &packed.scales,
-            };
+            let parts = packed.parts();
             let values: Vec<f32> = layout
                 .dequantize(&parts, GgmlType::F32)
                 .chunks_exact(4)
@@ -855,19 +866,12 @@ mod tests {
         // Columns alternate between the two groups.
         let index: Vec<i64> = (0..cols as i64).map(|c| c % 2).collect();
         let parts = PartShapes {
-            levels: &packed.levels_shape,
-            zeros: packed.zeros.as_ref().map(|z| &z.1[..]),
-            scales: &packed.scales_shape,
             group_index: Some(&[64]),
-            shape: None,
+            ..packed.shapes()
         };
         let layout = PackedLayout::of(scheme, &parts, Some(&index)).unwrap();
         assert!(!layout.fits_blocks_of_32());
-        let bytes = PackedParts {
-            levels: &packed.levels,
-            zeros: Some(&packed.zeros.as_ref().unwrap().0),
-            scales: &packed.scales,
-        };
+        let bytes = packed.parts();
         let values = layout.dequantize(&bytes, GgmlType::F32);
         for r in 0..rows {
             for c in 0..cols {
@@ -906,20 +910,13 @@ mod tests {
         let packed = pack(scheme, 1, rows, cols, 48, &q, Some(&z), &s);
         let index: Vec<i64> = (0..cols as i64).map(|c| c / 64).collect();
         let parts = PartShapes {
-            levels: &packed.levels_shape,
-            zeros: packed.zeros.as_ref().map(|z| &z.1[..]),
-            scales: &packed.scales_shape,
             group_index: Some(&[96]),
-            shape: None,
+            ..packed.shapes()
         };
         let layout = PackedLayout::of(scheme, &parts, Some(&index)).unwrap();
         assert_eq!((layout.group_cols, layout.group_index.is_none()), (64, true));
         assert!(layout.fits_blocks_of_32());
-        let bytes = PackedParts {
-            levels: &packed.levels,
-            zeros: Some(&packed.zeros.as_ref().unwrap().0),
-            scales: &packed.scales,
-        };
+        let bytes = packed.parts();
         let mut values = vec![0f32; rows * cols];
         GgmlType::U4B32.dequantize(&layout.u4_blocks(&bytes), &mut values);
         for r in 0..rows {
