@@ -632,6 +632,9 @@ fn unreadable_integer_checkpoints_are_named() {
     let qweight = ("w.qweight", I32, vec![8, 16], vec![0u8; 8 * 16 * 4]);
     let scales = ("w.scales", F16, vec![2, 16], vec![0u8; 2 * 16 * 2]);
     let qzeros = ("w.qzeros", I32, vec![2, 2], vec![0u8; 2 * 2 * 4]);
+    // A 16 × 64 weight in compressed-tensors' layout: 16 rows of 8 words, two groups' scales.
+    let ct_levels = ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]);
+    let ct_scales = ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]);
     let g_idx = |group: i32| {
         let values: Vec<u8> = (0..64).flat_map(|c| (c / 32 * group).to_le_bytes()).collect();
         ("w.g_idx", I32, vec![64], values)
@@ -689,17 +692,14 @@ fn unreadable_integer_checkpoints_are_named() {
         ),
         (
             packed.clone(),
-            vec![
-                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
-                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
-            ],
+            vec![ct_levels.clone(), ct_scales.clone()],
             "it has no `w.weight_shape`",
         ),
         (
             packed.clone(),
             vec![
-                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
-                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
+                ct_levels.clone(),
+                ct_scales.clone(),
                 (
                     "w.weight_shape",
                     I64,
@@ -712,8 +712,8 @@ fn unreadable_integer_checkpoints_are_named() {
         (
             packed.clone(),
             vec![
-                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
-                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
+                ct_levels.clone(),
+                ct_scales.clone(),
                 (
                     "w.weight_shape",
                     I64,

@@ -16,7 +16,7 @@
 use crate::quant::GgmlType;
 use half::{bf16, f16};
 use ir::F8E4M3;
-use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
+use quant::fp8_blocks::{block, BLOCK_ELEMS};
 use quant::u4_blocks;
 use rayon::prelude::*;
 
@@ -465,26 +465,10 @@ impl PackedLayout {
     /// their zero points, its scale their group's. The layout must
     /// [fit them](Self::fits_blocks_of_32).
     pub fn blocks_of_32(&self, parts: &PackedParts<'_>) -> Vec<u8> {
-        assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
-        let row_bytes = self.cols / BLOCK_ELEMS * BLOCK_BYTES;
-        let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
-        out.par_chunks_mut(row_bytes).enumerate().for_each_init(
-            || self.scratch(),
-            |row, (at, out)| {
-                self.row(parts, at / self.rows, at % self.rows, row);
-                for (b, (out, levels)) in out
-                    .chunks_exact_mut(BLOCK_BYTES)
-                    .zip(row.levels.chunks_exact(BLOCK_ELEMS))
-                    .enumerate()
-                {
-                    let group = self.group(b * BLOCK_ELEMS);
-                    let zero = row.zeros[group];
-                    let codes = std::array::from_fn(|i| F8E4M3::from_f32((levels[i] - zero) as f32).0);
-                    out.copy_from_slice(&block(row.scales[group], &codes));
-                }
-            },
-        );
-        out
+        self.in_blocks_of_32(parts, |levels, zero, scale| {
+            let codes = std::array::from_fn(|i| F8E4M3::from_f32((levels[i] - zero) as f32).0);
+            block(scale, &codes)
+        })
     }
 
     /// The weight as 4-bit blocks of 32 (`quant::u4_blocks`): each block's levels as stored,
@@ -492,23 +476,35 @@ impl PackedLayout {
     /// each weight is `level · scale − zero · scale`, exactly `(q − z) · s` where every scale
     /// is `u4_blocks::exact`. The layout must [fit blocks](Self::fits_blocks_of_32).
     pub fn u4_blocks(&self, parts: &PackedParts<'_>) -> Vec<u8> {
+        self.in_blocks_of_32(parts, |levels, zero, scale| {
+            // Levels of at most 4 bits; a byte's out of range for its width is masked.
+            let levels = std::array::from_fn(|i| (levels[i] & 15) as u8);
+            u4_blocks::block(scale, -(zero as f32) * scale, &levels)
+        })
+    }
+
+    /// The weight in blocks of 32 columns, `N` bytes each: `make(levels, zero, scale)` of each
+    /// block's 32 levels with their group's zero point and scale, the rows on the pool. The
+    /// layout must [fit blocks](Self::fits_blocks_of_32).
+    fn in_blocks_of_32<const N: usize>(
+        &self,
+        parts: &PackedParts<'_>,
+        make: impl Fn(&[i32], i32, f32) -> [u8; N] + Sync,
+    ) -> Vec<u8> {
         assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
-        let row_bytes = self.cols / u4_blocks::BLOCK_ELEMS * u4_blocks::BLOCK_BYTES;
+        let row_bytes = self.cols / BLOCK_ELEMS * N;
         let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
         out.par_chunks_mut(row_bytes).enumerate().for_each_init(
             || self.scratch(),
             |row, (at, out)| {
                 self.row(parts, at / self.rows, at % self.rows, row);
                 for (b, (out, levels)) in out
-                    .chunks_exact_mut(u4_blocks::BLOCK_BYTES)
-                    .zip(row.levels.chunks_exact(u4_blocks::BLOCK_ELEMS))
+                    .chunks_exact_mut(N)
+                    .zip(row.levels.chunks_exact(BLOCK_ELEMS))
                     .enumerate()
                 {
-                    let group = self.group(b * u4_blocks::BLOCK_ELEMS);
-                    let scale = row.scales[group];
-                    // Levels of at most 4 bits; a byte's out of range for its width is masked.
-                    let levels = std::array::from_fn(|i| (levels[i] & 15) as u8);
-                    out.copy_from_slice(&u4_blocks::block(scale, -(row.zeros[group] as f32) * scale, &levels));
+                    let group = self.group(b * BLOCK_ELEMS);
+                    out.copy_from_slice(&make(levels, row.zeros[group], row.scales[group]));
                 }
             },
         );
@@ -835,7 +831,7 @@ mod tests {
             if layout.fits_blocks_of_32() {
                 let blocks = layout.blocks_of_32(&parts);
                 let mut widened = vec![0f32; values.len()];
-                for (b, out) in blocks.chunks_exact(BLOCK_BYTES).zip(widened.chunks_exact_mut(BLOCK_ELEMS)) {
+                for (b, out) in blocks.chunks_exact(quant::fp8_blocks::BLOCK_BYTES).zip(widened.chunks_exact_mut(BLOCK_ELEMS)) {
                     quant::fp8_blocks::dequantize_block(b, out);
                 }
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
