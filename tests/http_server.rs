@@ -1081,6 +1081,82 @@ fn mtp_drafting_keeps_the_text_and_counts_drafts() {
     }
 }
 
+/// `--speculative-config` methods `eagle3` and `eagle`: the tiny Llama's config with random
+/// weights (its vocabulary widened to SmolLM2's tokenizer), drafted for by the fixture EAGLE-3
+/// head (its 200 draft ids mapped into the target's) and by the EAGLE-1 head, answers a greedy
+/// request as it does without drafting, whole and streamed, and the metrics count the drafts;
+/// a head that is not a directory, and a target of another family, are refused by name.
+#[test]
+fn eagle_drafting_keeps_the_text_and_counts_drafts() {
+    let scratch = common::scratch_dir("bbc-eagle-");
+    let tokenizer = common::real_model("smollm2");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let config_of = |family: &str| {
+        let path = common::fixture(&format!("hf-tiny/{family}/config.json"));
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        config["vocab_size"] = 49152.into();
+        let dir = scratch.path().join(family);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        dir.join("config.json").to_str().unwrap().to_string()
+    };
+    let llama = config_of("llama");
+    let body = json!({"prompt": "Once upon a time, in a small village,", "max_tokens": 24, "temperature": 0});
+    let plain = Server::start_model(&llama, &["--tokenizer", tokenizer]);
+    let (status, want) = plain.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{want}");
+    drop(plain);
+    let speculative = |method: &str, head: &str| {
+        json!({"method": method, "model": common::fixture(&format!("eagle/{head}")), "num_speculative_tokens": 3})
+            .to_string()
+    };
+    for (method, head) in [("eagle3", "eagle3"), ("eagle", "eagle")] {
+        let config = speculative(method, head);
+        let server = Server::start_model(&llama, &["--tokenizer", tokenizer, "--speculative-config", &config]);
+        let (_, got) = server.post("/v1/completions", &body);
+        assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "{method}");
+        assert_eq!(got["usage"], want["usage"], "{method}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, chunks) = server.stream("/v1/completions", &streamed);
+        let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+        assert_eq!(text, want["choices"][0]["text"].as_str().unwrap(), "{method}");
+        assert!(server.metric("bbc_spec_decode_draft_tokens_total") > 0.0, "{method}");
+        server.wait_for_free_blocks();
+    }
+    let gemma = config_of("gemma3");
+    let not_a_dir = json!({"method": "eagle3", "model": llama, "num_speculative_tokens": 3}).to_string();
+    for (model, config, needle) in [
+        (llama.as_str(), not_a_dir, "must be the head's directory"),
+        (
+            gemma.as_str(),
+            speculative("eagle3", "eagle3"),
+            "EAGLE heads draft for llama targets",
+        ),
+        (
+            llama.as_str(),
+            speculative("eagle", "eagle3"),
+            "an EAGLE-3 head is method `eagle3`",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args([
+                "serve",
+                "--port",
+                "0",
+                model,
+                "--tokenizer",
+                tokenizer,
+                "--speculative-config",
+                &config,
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(needle), "{config}: {stderr}");
+    }
+}
+
 /// A draft model: SmolLM2 computing in f32, drafted for by SmolLM2 in its file's
 /// quantization (the same tokenizer), answers as it does without a draft model, whole and
 /// streamed, and the metrics count drafts accepted.

@@ -3,6 +3,7 @@
 
 pub mod checkpoint_quantization;
 pub mod config;
+pub mod eagle;
 pub mod error;
 pub mod families;
 pub mod fp8_checkpoint;

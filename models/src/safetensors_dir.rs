@@ -86,6 +86,8 @@ pub struct SafetensorsDir {
     made: BTreeMap<String, MadeWeight>,
     /// The checkpoint's `quantization_config.quant_method`, lowercased.
     pub quant_method: Option<String>,
+    /// Integer tensors kept as they are, by name ([`Self::open_with_indices`]).
+    indices: BTreeMap<String, RawEntry>,
 }
 
 impl SafetensorsDir {
@@ -95,6 +97,13 @@ impl SafetensorsDir {
     /// `PackedLayout::fits_blocks_of_32`, `u4_blocks::exact`) and as the checkpoint's `dtype`
     /// where not.
     pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
+        Self::open_with_indices(dir, convert_to, &[])
+    }
+
+    /// [`Self::open`] keeping the integer (or boolean) tensors named in `indices` as they are,
+    /// for [`Self::index_tensor`]: a table of ids beside the weights, such as an EAGLE head's
+    /// `d2t`.
+    pub fn open_with_indices(dir: &Path, convert_to: Option<GgmlType>, indices: &[&str]) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = BTreeMap::new();
@@ -125,7 +134,13 @@ impl SafetensorsDir {
             tensors,
             made: BTreeMap::new(),
             quant_method: None,
+            indices: BTreeMap::new(),
         };
+        for name in indices {
+            if let Some(entry) = ints.remove(*name) {
+                this.indices.insert(name.to_string(), entry);
+            }
+        }
         let path = dir.join("config.json");
         let config = match std::fs::read_to_string(&path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| ModelError::Config {
@@ -291,6 +306,13 @@ impl SafetensorsDir {
     /// does; others are read to see.
     fn u4_exact(&self, entry: &SafetensorsEntry) -> bool {
         entry.dtype == GgmlType::F16 || self.floats(entry).iter().all(|&s| quant::u4_blocks::exact(s))
+    }
+
+    /// The values of an integer tensor kept by [`Self::open_with_indices`], and its shape as
+    /// stored.
+    pub fn index_tensor(&self, name: &str) -> Option<(Vec<i64>, &[usize])> {
+        let entry = self.indices.get(name)?;
+        Some((self.integers(entry), &entry.stored_shape))
     }
 
     /// An integer tensor's values.
@@ -538,13 +560,13 @@ fn header_entry(
         Some("F16") => (Some(GgmlType::F16), 2),
         Some("BF16") => (Some(GgmlType::BF16), 2),
         Some("F8_E4M3") => (None, 1),
-        Some("I8") => (None, 1),
+        Some("I8" | "BOOL") => (None, 1),
         Some("I32") => (None, 4),
         Some("I64") => (None, 8),
         other => {
             return Err(format!(
                 "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16, F8_E4M3 (with its scales) \
-                 and I8, I32 and I64 (an integer weight's parts)"
+                 and I8, I32, I64 and BOOL (an integer weight's parts, or a table of ids)"
             ))
         }
     };

@@ -272,12 +272,12 @@ fn gguf_matrix_shape(name: &str, shape: Vec<usize>) -> Vec<usize> {
 
 /// Dequantizes weights for the reference interpreter, caching each one.
 pub struct DequantizedWeights<'a> {
-    source: &'a WeightSource,
+    source: &'a dyn Tensors,
     cache: std::sync::Mutex<std::collections::HashMap<String, Arc<Tensor>>>,
 }
 
 impl<'a> DequantizedWeights<'a> {
-    pub fn new(source: &'a WeightSource) -> Self {
+    pub fn new(source: &'a dyn Tensors) -> Self {
         Self {
             source,
             cache: Default::default(),
@@ -293,7 +293,7 @@ impl ir::reference::WeightProvider for DequantizedWeights<'_> {
         }
         let view = self
             .source
-            .get(name)
+            .tensor(name)
             .ok_or_else(|| "not found in the model's weights".to_string())?;
         let t = Arc::new(view.to_f32());
         cache.insert(name.to_string(), t.clone());

@@ -3,6 +3,7 @@
 //! (`http_server`) in front of it.
 
 mod draft;
+mod eagle;
 mod generation_config;
 mod mtp;
 mod speculation;
@@ -302,8 +303,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         sequences: args.max_num_seqs,
         graphs: !args.enforce_eager,
     };
-    // The multi-token prediction head, built beside the target on the CPU backend.
+    // The multi-token prediction or EAGLE head, built beside the target on the CPU backend.
     let mut mtp_head = None;
+    let mut eagle_head = None;
     let drafter = match &drafting {
         speculation::Drafting::Model(arg) => {
             let (drafter, place) = draft::load(arg, &tokenizer, draft_cache, args.draft_head)?;
@@ -313,6 +315,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         speculation::Drafting::Mtp if loaded.gpu_plan.is_some() => None,
         speculation::Drafting::Mtp => {
             mtp_head = Some(mtp::prepare(&mut loaded, args.draft_head)?);
+            None
+        }
+        speculation::Drafting::Eagle(method, dir) => {
+            let (graph, head) = eagle::prepare(&mut loaded, *method, dir, args.draft_head)?;
+            mtp_head = Some(graph);
+            eagle_head = Some(head);
             None
         }
         speculation::Drafting::PromptLookup => None,
@@ -420,13 +428,21 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         }
         None => {
             let hidden = loaded.model.config.hidden;
-            let (backend, head) = cpu_serving_with_head(loaded, mtp_head)?;
-            let drafter = match head {
-                Some(head) => Some((
+            let (backend, head) = cpu_serving_with_head(loaded, mtp_head, eagle_head.as_ref())?;
+            let drafter = match (head, &eagle_head) {
+                (Some(head), Some(eagle)) => Some((
+                    format!(
+                        "the {} head in {} (on the CPU backend)",
+                        eagle.method.name(),
+                        eagle.dir.display()
+                    ),
+                    eagle::drafter(head, eagle, context_length, &draft_cache)?,
+                )),
+                (Some(head), None) => Some((
                     "the model's multi-token prediction layers (on the CPU backend)".to_string(),
                     mtp::drafter(head, hidden, context_length, &draft_cache)?,
                 )),
-                None => drafter,
+                (None, _) => drafter,
             };
             let logits = backend.logits();
             let block_bytes = block_size * logits.kv_bytes_per_position();
@@ -484,18 +500,26 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 /// 4-bit shortlist); a quantized head's greedy graph computes what the logits graph does, so
 /// then the logits graph alone.
 pub(crate) fn cpu_serving(loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {
-    Ok(cpu_serving_with_head(loaded, None)?.0)
+    Ok(cpu_serving_with_head(loaded, None, None)?.0)
 }
 
 /// [`cpu_serving`], and a backend of `head` (a graph over the same weights, a multi-token
-/// prediction head's) sharing the weights both read.
+/// prediction head's, or over them and `eagle`'s) sharing the weights both read.
 fn cpu_serving_with_head(
     mut loaded: model_ref::Loaded,
     head: Option<ir::Graph>,
+    eagle: Option<&models::eagle::EagleHead>,
 ) -> Result<(runtime::serving::CpuGreedyServing, Option<runtime::CpuBackend>)> {
     let context_length = loaded.model.config.context_length;
     let mut cache = loaded.weight_cache();
-    let weights = &loaded.model.weights;
+    let target = &loaded.model.weights;
+    // An EAGLE head's tensors beside the target's: its graph reads both, and the target's
+    // graphs read its `fc`.
+    let joined = eagle.map(|e| e.weights_beside(target));
+    let weights: &dyn quant::tensor::Tensors = match &joined {
+        Some(joined) => joined,
+        None => target,
+    };
     // Every graph's weights through the one cache, so those they share are loaded once.
     let mut backend = |graph| runtime::CpuBackend::with_cache(graph, weights, context_length, &mut cache);
     let head = head.map(&mut backend).transpose()?;

@@ -4,6 +4,7 @@
 use super::ServeArgs;
 use crate::model_ref::Loaded;
 use anyhow::{bail, Context, Result};
+use models::eagle::EagleMethod;
 use models::model_toml::{DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN};
 use models::Speculative;
 use runtime::serving::NgramConfig;
@@ -35,6 +36,9 @@ pub struct SpeculationFlags {
     /// The model's own multi-token prediction layers draft (`--speculative-config` method
     /// `mtp`), `tokens` a step.
     mtp: bool,
+    /// An EAGLE head (`--speculative-config` method `eagle` or `eagle3`, its `model` a
+    /// directory) drafts, `tokens` a step.
+    eagle: Option<(EagleMethod, String)>,
 }
 
 /// Where drafts come from.
@@ -46,6 +50,8 @@ pub enum Drafting {
     Model(String),
     /// The served model's multi-token prediction layers.
     Mtp,
+    /// An EAGLE head: its method and directory.
+    Eagle(EagleMethod, String),
 }
 
 impl SpeculationFlags {
@@ -57,6 +63,7 @@ impl SpeculationFlags {
             model: args.speculative_model.clone(),
             tokens: args.num_speculative_tokens,
             mtp: false,
+            eagle: None,
         };
         let flags = match &args.speculative_config {
             None => given,
@@ -85,6 +92,14 @@ impl SpeculationFlags {
             Some(Speculative::Mtp { tokens }) => (None, None, Some(*tokens)),
             None => (None, None, None),
         };
+        if let Some((method, model)) = &self.eagle {
+            let config = NgramConfig {
+                tokens: self.tokens.context("EAGLE heads need `num_speculative_tokens`")?,
+                min: DEFAULT_LOOKUP_MIN,
+                max: DEFAULT_LOOKUP_MAX,
+            };
+            return Ok((config, Drafting::Eagle(*method, model.clone())));
+        }
         let other_flags = self.model.is_some() || self.ngram.is_some();
         let mtp = match (self.mtp, toml_mtp) {
             (true, toml) => Some(self.tokens.or(toml)),
@@ -140,8 +155,9 @@ impl SpeculationFlags {
 
 /// vLLM's `--speculative-config` JSON as the flags it stands for: method `ngram` (with
 /// `num_speculative_tokens` and the lookup lengths), `draft_model` (with `model`, implied
-/// where the method is not given) or `mtp` (with `num_speculative_tokens`); other methods and
-/// keys refused by name.
+/// where the method is not given), `mtp` (with `num_speculative_tokens`), or `eagle` and
+/// `eagle3` (with the head's `model` directory and `num_speculative_tokens`); other methods
+/// and keys refused by name.
 fn from_config(json: &str) -> Result<SpeculationFlags> {
     let value: Value = serde_json::from_str(json).context("not JSON")?;
     let config = value
@@ -199,7 +215,22 @@ fn from_config(json: &str) -> Result<SpeculationFlags> {
             tokens: count("num_speculative_tokens")?,
             ..SpeculationFlags::default()
         }),
-        other => bail!("method `{other}` is not one bbc serves (ngram, draft_model, mtp)"),
+        name @ ("eagle" | "eagle3") => {
+            let method = EagleMethod::parse(name).expect("an EAGLE method");
+            if lookup != (None, None) {
+                bail!("`prompt_lookup_min`/`prompt_lookup_max` are method `ngram`'s, not `{name}`'s");
+            }
+            let model = model.with_context(|| format!("method `{name}` needs the head's directory as `model`"))?;
+            Ok(SpeculationFlags {
+                eagle: Some((method, model.to_string())),
+                tokens: Some(
+                    count("num_speculative_tokens")?
+                        .with_context(|| format!("method `{name}` needs `num_speculative_tokens`"))?,
+                ),
+                ..SpeculationFlags::default()
+            })
+        }
+        other => bail!("method `{other}` is not one bbc serves (ngram, draft_model, mtp, eagle, eagle3)"),
     }
 }
 
@@ -267,6 +298,17 @@ mod tests {
                 ..Default::default()
             }
         );
+        for (method, name) in [(EagleMethod::Eagle, "eagle"), (EagleMethod::Eagle3, "eagle3")] {
+            let config = format!(r#"{{"method": "{name}", "model": "heads/e", "num_speculative_tokens": 2}}"#);
+            assert_eq!(
+                flags(&["--speculative-config", &config]).unwrap(),
+                SpeculationFlags {
+                    eagle: Some((method, "heads/e".into())),
+                    tokens: Some(2),
+                    ..Default::default()
+                }
+            );
+        }
     }
 
     #[test]
@@ -283,7 +325,25 @@ mod tests {
             ),
             (
                 vec!["--speculative-config", r#"{"method": "eagle", "model": "e"}"#],
-                "`eagle`",
+                "method `eagle` needs `num_speculative_tokens`",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"method": "eagle3", "num_speculative_tokens": 3}"#,
+                ],
+                "method `eagle3` needs the head's directory as `model`",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"method": "eagle3", "model": "e", "num_speculative_tokens": 3, "prompt_lookup_min": 2}"#,
+                ],
+                "method `ngram`'s, not `eagle3`'s",
+            ),
+            (
+                vec!["--speculative-config", r#"{"method": "medusa", "model": "m"}"#],
+                "method `medusa` is not one bbc serves",
             ),
             (
                 vec!["--speculative-config", r#"{"method": "ngram"}"#],

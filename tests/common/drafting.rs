@@ -1,8 +1,14 @@
 //! Two drafters compared round after round, as an engine would drive them; a logits processor
-//! that proposes drafts as a grammar proposes its forced text.
+//! that proposes drafts as a grammar proposes its forced text; targets whose next token is a
+//! function of their last, and requests served through a drafting engine.
 
-use runtime::serving::{DraftRequest, Drafter, SeqId};
-use runtime::LogitsProcessor;
+use models::weights::MemoryTensor;
+use models::{Model, WeightSource};
+use runtime::serving::{
+    DraftRequest, Drafter, NgramConfig, PagedBackend, SchedulerConfig, SeqId, ServingEngine, StepOutput,
+};
+use runtime::{LogitsProcessor, SamplingParams};
+use std::collections::HashMap;
 
 /// Ask `want` and `got` for drafts for `sequences` (ids 0, 1, …) in `rounds` rounds, and
 /// check they propose the same; after each round every sequence keeps some of the drafts
@@ -68,4 +74,157 @@ impl LogitsProcessor for Foreseeing {
             .map(|t| t + self.shift)
             .collect()
     }
+}
+
+/// Whether `name` is a projection whose output a layer adds to the residual stream.
+pub fn adds_to_the_residual(name: &str) -> bool {
+    ["o_proj.weight", "down_proj.weight", "out_proj.weight"]
+        .iter()
+        .any(|end| name.ends_with(end))
+}
+
+/// `model` with every layer's contribution to the residual stream zeroed: its logits at a
+/// position are a function of that position's token alone (its attention and DeltaNet layers
+/// still run, their outputs multiplied away).
+pub fn bigram(mut model: Model) -> Model {
+    let WeightSource::Memory(tensors) = &mut model.weights else {
+        panic!("weights in memory")
+    };
+    for (name, t) in tensors.iter_mut() {
+        if name.starts_with("model.") && adds_to_the_residual(name) {
+            t.bytes.fill(0);
+        }
+    }
+    model
+}
+
+/// A deterministic stream of values in (−scale, scale).
+pub fn noise(seed: u64, len: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+pub fn f32_tensor(shape: &[usize], values: &[f32]) -> MemoryTensor {
+    assert_eq!(shape.iter().product::<usize>(), values.len());
+    MemoryTensor {
+        shape: shape.to_vec(),
+        dtype: models::quant::GgmlType::F32,
+        bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// Four sequences at once in `kv_blocks` blocks of 8, drafting `drafts` a step, the prefix
+/// cache on.
+pub fn config(kv_blocks: usize, drafts: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_waiting: 32,
+        max_running: 4,
+        token_budget: 64,
+        kv_blocks,
+        block_size: 8,
+        context_length: 2048,
+        prefix_caching: true,
+        speculation: NgramConfig {
+            tokens: drafts,
+            min: 1,
+            max: 3,
+        },
+        recurrent_state: false,
+        // Snapshots of the recurrent states, so that the prefix cache serves hybrid models.
+        state_cache: runtime::serving::StateCacheConfig::every(8, 32),
+    }
+}
+
+/// What serving `requests` gave: each one's tokens, drafts made and accepted, whether any
+/// step found the cache full, and the prompt positions the prefix cache served.
+pub struct Served {
+    pub tokens: Vec<Vec<u32>>,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub cache_full: bool,
+    pub prefix_hits: usize,
+}
+
+/// What `requests` gave served on `target`, drafted for by `head` where there is one.
+pub fn serve_on<B: PagedBackend>(
+    target: B,
+    head: Option<Box<dyn Drafter>>,
+    config: SchedulerConfig,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> Served {
+    let mut engine = ServingEngine::new(target, config);
+    if let Some(head) = head {
+        assert!(engine.use_drafter(head));
+    }
+    let kv_blocks = config.kv_blocks;
+    let mut ids = Vec::new();
+    let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let (mut drafted, mut accepted, mut cache_full) = (0, 0, false);
+    // The later half of the requests come once the first have finished, so that their shared
+    // prefixes are in the prefix cache.
+    let (first, later) = requests.split_at(requests.len() / 2);
+    for batch in [first, later] {
+        for (prompt, sampling) in batch {
+            ids.push(engine.add(prompt.clone(), max_tokens, vec![], *sampling).unwrap());
+        }
+        while !engine.scheduler().is_idle() {
+            let out: StepOutput = engine.step().unwrap();
+            assert_eq!(engine.scheduler().check(), Ok(()));
+            cache_full |= engine.scheduler().used_blocks() == kv_blocks;
+            drafted += out.drafted;
+            accepted += out.accepted;
+            got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+        }
+    }
+    Served {
+        tokens: ids.iter().map(|id| got[id].clone()).collect(),
+        drafted,
+        accepted,
+        cache_full,
+        prefix_hits: engine.scheduler().prefix_cache_stats().hit as usize,
+    }
+}
+
+/// Prompts of a few lengths, the later half each an earlier one and a token more (so its
+/// beginning is in the prefix cache); greedy, but for a seeded sampled one where `sampled`.
+pub fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
+    requests_of_lengths(vocab, sampled, [19, 6, 30, 12])
+}
+
+/// [`requests`] whose first four prompts have `lengths`.
+pub fn requests_of_lengths(vocab: u32, sampled: bool, lengths: [u32; 4]) -> Vec<(Vec<u32>, SamplingParams)> {
+    let sampling = match sampled {
+        true => SamplingParams {
+            temperature: 0.8,
+            seed: 3,
+            top_p: 0.9,
+            ..SamplingParams::default()
+        },
+        false => SamplingParams::default(),
+    };
+    let prompt = |base: u32, len: u32| -> Vec<u32> { (0..len).map(|j| (base + 29 * j) % vocab).collect() };
+    let mut first = vec![
+        (prompt(11, lengths[0]), SamplingParams::default()),
+        (prompt(40, lengths[1]), SamplingParams::default()),
+        (prompt(7, lengths[2]), sampling),
+        (prompt(90, lengths[3]), SamplingParams::default()),
+    ];
+    let later: Vec<_> = first
+        .iter()
+        .map(|(p, s)| {
+            let mut p = p.clone();
+            p.push(5);
+            (p, *s)
+        })
+        .collect();
+    first.extend(later);
+    first
 }

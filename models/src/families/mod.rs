@@ -4,6 +4,7 @@
 //! data) and builds the graph of one forward step. Weight names are the source's own (GGUF
 //! or HF), so the graph can be run straight from the file.
 
+mod eagle;
 mod gemma3;
 mod gemma4;
 mod glm4_moe;
@@ -17,6 +18,7 @@ use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
 use crate::weights::{ir_dtype, WeightSource};
+pub(crate) use eagle::lower_eagle;
 use ir::{DType, Graph, NodeId, Op};
 pub use mtp::{lower_mtp, lower_mtp_without_weights, with_hidden_states};
 use serde::{Deserialize, Serialize};
@@ -218,6 +220,7 @@ pub fn lower_without_weights_in_blocks(
 fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> Result<Graph> {
     let naming = match weights {
         Catalog::Source(source) => Naming::detect(source),
+        Catalog::WithEagleHead(w) => Naming::detect(w.target),
         Catalog::Implied { .. } => Naming::Hf(HfPrefix::Text),
     };
     let mut b = Builder::new(config.family.name(), weights, naming, options);
@@ -246,6 +249,19 @@ pub fn with_greedy_token(graph: &Graph) -> Result<Graph> {
     g.set_output("next_token", next);
     g.validate().map_err(graph_error)?;
     Ok(g)
+}
+
+/// What a matrix stored as `storage` is computed as under `compute`: FP8 and 4-bit blocks
+/// stay as they are (a source holds them only where the model runs such weights: quantized as
+/// it loads, or an FP8 or integer checkpoint not read into another type).
+pub(crate) fn matrix_dtype(compute: ComputeDtype, storage: GgmlType) -> DType {
+    match compute {
+        _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32) => ir_dtype(storage),
+        ComputeDtype::F32 => DType::F32,
+        ComputeDtype::Bf16 => DType::BF16,
+        ComputeDtype::F16 => DType::F16,
+        ComputeDtype::Native => ir_dtype(storage),
+    }
 }
 
 fn graph_error(e: ir::GraphError) -> ModelError {
@@ -356,7 +372,7 @@ pub(crate) enum ExpertTensor {
 }
 
 impl Naming {
-    fn detect(weights: &WeightSource) -> Self {
+    pub(crate) fn detect(weights: &WeightSource) -> Self {
         if weights.contains("token_embd.weight") {
             return Self::Gguf;
         }
@@ -473,6 +489,8 @@ impl Naming {
 enum Catalog<'w> {
     /// A file's or directory's tensors, named as it names them.
     Source(&'w WeightSource),
+    /// A target's tensors and an EAGLE head's beside them (`eagle::HEAD_PREFIX`).
+    WithEagleHead(crate::eagle::HeadWeights<'w>),
     /// No weights: see [`lower_without_weights`]; with `blocks`, those a checkpoint quantized
     /// as it loads would quantize are held as such blocks ([`lower_without_weights_in_blocks`]).
     Implied { blocks: Option<GgmlType> },
@@ -482,8 +500,8 @@ impl Catalog<'_> {
     /// `name`'s storage type, after checking that it exists with `shape`.
     fn storage(&self, name: &str, shape: &[usize]) -> Result<GgmlType> {
         match self {
-            Self::Source(weights) => {
-                let (dtype, stored) = weights
+            Self::Source(_) | Self::WithEagleHead(_) => {
+                let (dtype, stored) = self
                     .describe(name)
                     .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
                 if stored != shape {
@@ -500,6 +518,23 @@ impl Catalog<'_> {
                 Ok(*blocks)
             }
             Self::Implied { .. } => Ok(Self::IMPLIED_STORAGE),
+        }
+    }
+
+    /// A tensor's type and shape in a source of weights (`None` without one).
+    fn describe(&self, name: &str) -> Option<(GgmlType, &[usize])> {
+        match self {
+            Self::Source(weights) => weights.describe(name),
+            Self::WithEagleHead(weights) => weights.describe(name),
+            Self::Implied { .. } => None,
+        }
+    }
+
+    /// Whether a source holds `name`; implied weights hold every tensor the config names.
+    fn contains(&self, name: &str) -> bool {
+        match self {
+            Self::Implied { .. } => true,
+            _ => self.describe(name).is_some(),
         }
     }
 
@@ -524,6 +559,8 @@ impl<'w> Builder<'w> {
     fn new(name: &str, weights: Catalog<'w>, naming: Naming, options: LowerOptions) -> Self {
         let matrices = match weights {
             Catalog::Source(source) => source.matrix_storage().unwrap_or(GgmlType::F32),
+            // A head's caches are kept as its own weights are.
+            Catalog::WithEagleHead(w) => w.head.matrix_storage().unwrap_or(GgmlType::F32),
             Catalog::Implied { .. } => Catalog::IMPLIED_STORAGE,
         };
         Self {
@@ -541,21 +578,15 @@ impl<'w> Builder<'w> {
     /// as it loads, or an FP8 or integer checkpoint not read into another type).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;
-        let dtype = match self.options.compute {
-            _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32) => ir_dtype(storage),
-            ComputeDtype::F32 => DType::F32,
-            ComputeDtype::Bf16 => DType::BF16,
-            ComputeDtype::F16 => DType::F16,
-            ComputeDtype::Native => ir_dtype(storage),
-        };
+        let dtype = matrix_dtype(self.options.compute, storage);
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
 
     /// Whether the weights hold a tensor `name` (never, lowering without weights).
     pub fn has_weight(&self, name: &str) -> bool {
         match self.weights {
-            Catalog::Source(weights) => weights.contains(name),
             Catalog::Implied { .. } => false,
+            weights => weights.contains(name),
         }
     }
 
@@ -715,19 +746,27 @@ impl<'w> Builder<'w> {
         let x = self.rms_norm(x, norm, config.hidden, config.rms_eps, norm_offset)?;
         // A file may leave the head out and mean the embedding; implied weights have every
         // tensor the config names.
-        let has = |b: &Self, name: &str| match b.weights {
-            Catalog::Source(weights) => weights.contains(name),
-            Catalog::Implied { .. } => true,
-        };
-        let head = match head.filter(|h| has(self, h)) {
+        let head = match head.filter(|h| self.weights.contains(h)) {
             Some(own) => own.to_string(),
-            None if config.tied_embeddings || !has(self, &self.naming.lm_head()) => self.naming.embedding(),
+            None if config.tied_embeddings || !self.weights.contains(&self.naming.lm_head()) => self.naming.embedding(),
             None => self.naming.lm_head(),
         };
-        let w = self.matrix(&head, config.vocab_size, config.hidden)?;
+        self.vocabulary_head(x, &head, [config.vocab_size, config.hidden], config.final_logit_softcap)
+    }
+
+    /// The head `head` (`[vocab, hidden]`) over the rows `x` it reads (output as `hidden`):
+    /// `logits`, soft-capped by `softcap` where given, or `next_token` for greedy.
+    pub fn vocabulary_head(
+        &mut self,
+        x: NodeId,
+        head: &str,
+        [vocab, hidden]: [usize; 2],
+        softcap: Option<f32>,
+    ) -> Result<()> {
+        let w = self.matrix(head, vocab, hidden)?;
         self.graph.set_output("hidden", x);
         let mut logits = self.matmul(x, w)?;
-        if let Some(cap) = config.final_logit_softcap {
+        if let Some(cap) = softcap {
             logits = self.op(Op::SoftCap { cap }, &[logits])?;
         }
         match self.options.logits {

@@ -44,6 +44,9 @@ pub struct MtpDrafter<B: PagedBackend> {
     seqs: HashMap<SeqId, MtpSeq>,
     /// The token after each registered block of rows (its last row read it).
     next_tokens: HashMap<Serial, u32>,
+    /// The target's id of each id the head gives, where its vocabulary is its own (an EAGLE-3
+    /// head's draft vocabulary).
+    token_map: Option<Vec<u32>>,
 }
 
 /// A sequence's share of the head's cache, and the target's states it has not read yet.
@@ -119,7 +122,17 @@ impl<B: PagedBackend> MtpDrafter<B> {
             width,
             seqs: HashMap::new(),
             next_tokens: HashMap::new(),
+            token_map: None,
         })
+    }
+
+    /// The drafter whose head's ids are `map`'s indices, each drafting the target's id
+    /// `map[id]`.
+    pub fn with_token_map(self, map: Vec<u32>) -> Self {
+        Self {
+            token_map: Some(map),
+            ..self
+        }
     }
 
     pub fn backend(&self) -> &B {
@@ -161,6 +174,15 @@ impl<B: PagedBackend> MtpDrafter<B> {
                 let token = match out.contains_key("next_token") {
                     true => last("next_token")?[0] as u32,
                     false => crate::sampling::argmax(last("logits")?),
+                };
+                let token = match &self.token_map {
+                    None => token,
+                    Some(map) => *map.get(token as usize).ok_or_else(|| {
+                        RuntimeError::Graph(format!(
+                            "the draft head gave id {token}, past its vocabulary of {}",
+                            map.len()
+                        ))
+                    })?,
                 };
                 Ok(PassResult {
                     token,

@@ -1,0 +1,446 @@
+//! EAGLE draft heads drafting for the tiny Llama: an EAGLE-1 head and EAGLE-3 heads in the
+//! EAGLE authors' layout and the speculators library's (`tests/fixtures/eagle`, made by
+//! `make_eagle_heads.py` with speculators' and transformers' layers as the reference). The
+//! target outputs the states each head reads, the head's rows (the prompt's and chained ones)
+//! give the reference's logits and states, its drafter proposes the reference's drafts, and
+//! whatever the head guesses, the served tokens are the target's own: greedy and sampled,
+//! with drafts accepted and refused, across preemption and prefix-cache hits.
+
+mod common;
+
+use common::drafting::{adds_to_the_residual, bigram, config, f32_tensor, requests, serve_on, Served};
+use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
+use ir::reference::Interpreter;
+use models::eagle::{EagleHead, EagleMethod};
+use models::weights::{DequantizedWeights, MemoryTensors, Tensors};
+use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
+use runtime::serving::{DraftRequest, Drafter, MtpDrafter, SchedulerConfig, SeqId};
+use runtime::{CpuBackend, SamplingParams};
+use std::path::Path;
+
+/// The fixture heads: name and method.
+const HEADS: [(&str, EagleMethod); 3] = [
+    ("eagle3", EagleMethod::Eagle3),
+    ("eagle3_speculators", EagleMethod::Eagle3),
+    ("eagle", EagleMethod::Eagle),
+];
+
+fn llama() -> Model {
+    Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama"))).unwrap()
+}
+
+fn open_head(model: &Model, dir: &Path, method: EagleMethod) -> EagleHead {
+    EagleHead::open(dir, method, &model.config).unwrap()
+}
+
+fn fixture_head(model: &Model, name: &str, method: EagleMethod) -> EagleHead {
+    open_head(model, &common::fixture(&format!("eagle/{name}")), method)
+}
+
+fn options(model: &Model, logits: LogitsFor) -> LowerOptions {
+    LowerOptions {
+        logits,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    }
+}
+
+/// What `make_eagle_heads.py` wrote for a head.
+struct Reference {
+    prompt: Vec<u32>,
+    /// The target's states, a row a prompt position.
+    states: Vec<f32>,
+    /// The head's logits at the prompt's rows but the last, then at two chained rows.
+    logits: Vec<f32>,
+    /// The state each of those rows passes on.
+    draft_states: Vec<f32>,
+    /// The greedy drafts, as the target's ids.
+    drafts: Vec<u32>,
+}
+
+fn reference(name: &str) -> Reference {
+    let bytes = std::fs::read(common::fixture(&format!("eagle/{name}-reference.safetensors"))).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let floats = |key: &str| -> Vec<f32> {
+        let t = file.tensor(key).unwrap();
+        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{key}");
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let ids = |key: &str| -> Vec<u32> {
+        let t = file.tensor(key).unwrap();
+        assert_eq!(t.dtype(), safetensors::Dtype::I64, "{key}");
+        t.data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    };
+    Reference {
+        prompt: ids("input_ids"),
+        states: floats("states"),
+        logits: floats("logits"),
+        draft_states: floats("draft_states"),
+        drafts: ids("drafts"),
+    }
+}
+
+/// `got` is `want` within 1e-4 of `want`'s largest magnitude.
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, |m, d| if d > m || d.is_nan() { d } else { m });
+    assert!(worst <= 1e-4 * scale, "{what}: off by {worst} (largest {scale})");
+}
+
+/// The target's graph outputting the states `head` reads, optimized for the CPU.
+fn target_graph(model: &Model, head: &EagleHead, logits: LogitsFor) -> ir::Graph {
+    let graph = model.lower(logits).unwrap();
+    let graph = head
+        .target_graph(&graph, &model.weights, options(model, logits))
+        .unwrap();
+    passes::optimized(&graph, passes::CostModel::CPU).unwrap()
+}
+
+fn target_backend(model: &Model, head: &EagleHead) -> CpuBackend {
+    let weights = head.weights_beside(&model.weights);
+    let graph = target_graph(model, head, LogitsFor::LastToken);
+    CpuBackend::new(graph, &weights, model.config.context_length).unwrap()
+}
+
+/// The drafter over `head`'s greedy graph on the CPU backend, its 4-bit shortlist or not.
+fn drafter(model: &Model, head: &EagleHead, shortlisted: bool) -> MtpDrafter<CpuBackend> {
+    let graph = head
+        .lower(&model.config, &model.weights, options(model, LogitsFor::GreedyToken))
+        .unwrap();
+    let graph = match shortlisted {
+        true => passes::shortlisted_draft_head(&graph).unwrap(),
+        false => graph,
+    };
+    let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+    let weights = head.weights_beside(&model.weights);
+    let backend = CpuBackend::new(graph, &weights, model.config.context_length).unwrap();
+    let drafter = MtpDrafter::new(backend, head.config.hidden, 256, 8, 64, model.config.context_length).unwrap();
+    match &head.token_map {
+        Some(map) => drafter.with_token_map(map.clone()),
+        None => drafter,
+    }
+}
+
+/// The target's states at every prompt position: through the IR's reference interpreter
+/// (unoptimized) and on the CPU backend (optimized, as served), each as the reference's.
+#[test]
+fn the_target_outputs_the_states_its_head_reads() {
+    let model = llama();
+    for (name, method) in HEADS {
+        let head = fixture_head(&model, name, method);
+        let want = reference(name);
+        let weights = head.weights_beside(&model.weights);
+        let unoptimized = head
+            .target_graph(
+                &model.lower(LogitsFor::LastToken).unwrap(),
+                &model.weights,
+                options(&model, LogitsFor::LastToken),
+            )
+            .unwrap();
+        let positions: Vec<usize> = (0..want.prompt.len()).collect();
+        let dequantized = DequantizedWeights::new(&weights);
+        let out = Interpreter::new(&dequantized)
+            .step(&unoptimized, &want.prompt, &positions)
+            .unwrap();
+        assert_close(
+            &out[TARGET_HIDDEN_STATES].data,
+            &want.states,
+            &format!("{name}: interpreter"),
+        );
+        let backend = target_backend(&model, &head);
+        let mut pages = backend.new_pages(8);
+        let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
+        let step = segment(&table, 0, &want.prompt, &[]);
+        let out = &backend.step_batch(&mut pages, &[step]).unwrap()[0];
+        assert_close(
+            &out[TARGET_HIDDEN_STATES].data,
+            &want.states,
+            &format!("{name}: CPU backend"),
+        );
+    }
+}
+
+/// The head's rows as the reference computes them: the prompt's (each reading the token
+/// after its position and the target's state there) in one step, then two chained rows, each
+/// reading the draft before it and the state the row before passed on; every row's logits and
+/// state, through the interpreter and on the CPU backend (optimized).
+#[test]
+fn the_heads_rows_are_the_references() {
+    let model = llama();
+    for (name, method) in HEADS {
+        let head = fixture_head(&model, name, method);
+        let want = reference(name);
+        let graph = head
+            .lower(&model.config, &model.weights, options(&model, LogitsFor::AllTokens))
+            .unwrap();
+        let weights = head.weights_beside(&model.weights);
+        let dequantized = DequantizedWeights::new(&weights);
+        let mut interpreter = Interpreter::new(&dequantized);
+        let optimized = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+        let backend = CpuBackend::new(optimized, &weights, model.config.context_length).unwrap();
+        let mut pages = backend.new_pages(8);
+        let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
+        let (h, vocab) = (head.config.hidden, head.draft_vocab);
+        let n = want.prompt.len();
+        // The prompt's rows, then each chained row.
+        let mut steps = vec![(want.prompt[1..].to_vec(), 0, want.states[..(n - 1) * h].to_vec())];
+        for k in 0..2 {
+            let state = want.draft_states[(n - 2 + k) * h..(n - 1 + k) * h].to_vec();
+            steps.push((vec![want.drafts[k]], n - 1 + k, state));
+        }
+        for (ids, start, states) in &steps {
+            let rows = *start..start + ids.len();
+            let what = format!("{name}, rows {rows:?}");
+            let positions: Vec<usize> = rows.clone().collect();
+            let interpreted = interpreter
+                .step_with_hidden_states(&graph, ids, &positions, states)
+                .unwrap();
+            let served = &backend
+                .step_batch(&mut pages, &[segment(&table, *start, ids, states)])
+                .unwrap()[0];
+            for (out, by) in [(&interpreted, "interpreter"), (served, "CPU backend")] {
+                let what = format!("{what}, {by}");
+                assert_close(
+                    &out["logits"].data,
+                    &want.logits[rows.start * vocab..rows.end * vocab],
+                    &format!("{what}: logits"),
+                );
+                assert_close(
+                    &out[DRAFT_HIDDEN_STATE].data,
+                    &want.draft_states[rows.start * h..rows.end * h],
+                    &format!("{what}: states"),
+                );
+            }
+        }
+    }
+}
+
+/// The drafter, given the target's states of the prompt's positions but the last, proposes
+/// the reference's three greedy drafts (EAGLE-3's through its draft vocabulary's ids), from
+/// the exact head and from its 4-bit shortlist (the exact best among its 64 rows here).
+#[test]
+fn the_drafter_proposes_the_references_drafts() {
+    let model = llama();
+    for (name, method) in HEADS {
+        let head = fixture_head(&model, name, method);
+        let want = reference(name);
+        let n = want.prompt.len();
+        let h = head.config.hidden;
+        let states = ir::Tensor::new(vec![n - 1, h], want.states[..(n - 1) * h].to_vec());
+        for shortlisted in [false, true] {
+            let mut drafter = drafter(&model, &head, shortlisted);
+            drafter.observe(SeqId(0), 0, &states);
+            let request = DraftRequest {
+                seq: SeqId(0),
+                tokens: &want.prompt,
+                limit: 3,
+            };
+            let drafts = drafter.propose(&[request]).unwrap();
+            assert_eq!(drafts[&SeqId(0)], want.drafts, "{name}, shortlisted {shortlisted}");
+        }
+    }
+}
+
+/// One sequence's step of `ids` from `start` with a hidden state per id (none for a target).
+fn segment<'a>(
+    table: &'a [runtime::kv::BlockId],
+    start: usize,
+    ids: &'a [u32],
+    hidden_states: &'a [f32],
+) -> runtime::kv::Segment<'a> {
+    runtime::kv::Segment {
+        table,
+        start,
+        ids,
+        state_slot: 0,
+        sampled_rows: 1,
+        drafts: 0,
+        snapshots: runtime::kv::StateSnapshots::NONE,
+        hidden_states,
+    }
+}
+
+/// The tiny Llama whose next token is a function of its last ([`bigram`]), its final norm the
+/// identity, so that its greedy choice after token `t` is the row of its (tied) head that best
+/// matches `t`'s embedding.
+fn bigram_llama() -> Model {
+    let mut model = bigram(in_memory(llama()));
+    let WeightSource::Memory(tensors) = &mut model.weights else {
+        unreachable!("in memory")
+    };
+    let h = model.config.hidden;
+    tensors.insert("model.norm.weight".into(), f32_tensor(&[h], &vec![1.0; h]));
+    model
+}
+
+fn in_memory(mut model: Model) -> Model {
+    let mut tensors = MemoryTensors::new();
+    for name in model.weights.names() {
+        let view = model.weights.tensor(name).unwrap();
+        tensors.insert(
+            name.to_string(),
+            MemoryTensor {
+                shape: view.shape.to_vec(),
+                dtype: view.dtype,
+                bytes: view.bytes.to_vec(),
+            },
+        );
+    }
+    model.weights = WeightSource::Memory(tensors);
+    model
+}
+
+/// A copy of fixture head `name` in `dir` with `change` made to its tensors (by name, in f32).
+fn changed_head(name: &str, dir: &Path, change: impl Fn(&str, &mut Vec<f32>, &[usize])) {
+    let from = common::fixture(&format!("eagle/{name}"));
+    std::fs::copy(from.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (key, t) in file.tensors() {
+        let mut data = t.data().to_vec();
+        if t.dtype() == safetensors::Dtype::F32 {
+            let mut values: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            change(&key, &mut values, t.shape());
+            data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        } else if key == "d2t" {
+            let mut offsets: Vec<f32> = data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
+                .collect();
+            change(&key, &mut offsets, t.shape());
+            data = offsets.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
+        }
+        tensors.push((key, t.dtype(), t.shape().to_vec(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(k, dtype, shape, data)| {
+            (
+                k.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+fn serve(
+    model: &Model,
+    head: Option<&EagleHead>,
+    config: SchedulerConfig,
+    requests: &[(Vec<u32>, SamplingParams)],
+) -> Served {
+    let Some(head) = head else {
+        let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
+        let target = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        return serve_on(target, None, config, requests, 24);
+    };
+    let drafter = Box::new(drafter(model, head, false)) as Box<dyn Drafter>;
+    serve_on(target_backend(model, head), Some(drafter), config, requests, 24)
+}
+
+/// Heads of random weights (the fixtures), drafting three tokens a step, change no token:
+/// greedy and sampled requests, with the cache too small for every sequence at once
+/// (preemption) or not, the later requests finding their prompts' beginnings in the prefix
+/// cache.
+#[test]
+fn refused_eagle_drafts_change_no_token() {
+    let model = llama();
+    let requests = requests(model.config.vocab_size as u32, true);
+    for kv_blocks in [64, 9] {
+        let plain = serve(&model, None, config(kv_blocks, 0), &requests);
+        for (name, method) in HEADS {
+            let head = fixture_head(&model, name, method);
+            let what = format!("{name}, {kv_blocks} blocks");
+            let drafting = serve(&model, Some(&head), config(kv_blocks, 3), &requests);
+            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            assert!(drafting.drafted > 0, "{what}: no drafts");
+            assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
+            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+        }
+    }
+}
+
+/// An EAGLE-1 head that guesses exactly what a bigram target chooses (`fc` keeps the
+/// embedding, its layer adds nothing, and the target's head over the embedding ranks as over
+/// its normed self) has every greedy draft accepted; an EAGLE-3 head whose draft vocabulary
+/// maps its only guess (every logit 0: draft id 0) to a token the target often chooses has
+/// some accepted and some refused. Neither changes a token, greedy or sampled, with
+/// preemption and prefix-cache hits.
+#[test]
+fn accepted_eagle_drafts_change_no_token() {
+    let model = bigram_llama();
+    let vocab = model.config.vocab_size as u32;
+    let greedy = requests(vocab, false);
+    let plain = serve(&model, None, config(64, 0), &greedy);
+    // The token the target chooses most often.
+    let mut counts = vec![0usize; vocab as usize];
+    plain.tokens.iter().flatten().for_each(|&t| counts[t as usize] += 1);
+    let favourite = (0..vocab).max_by_key(|&t| counts[t as usize]).unwrap();
+    let dir = common::scratch_dir("bbc-eagle-");
+    let h = model.config.hidden;
+    let exact = dir.path().join("exact");
+    std::fs::create_dir(&exact).unwrap();
+    changed_head("eagle", &exact, |name, values, _| match name {
+        // [I | 0]: the embedding alone.
+        "fc.weight" => {
+            for (k, v) in values.iter_mut().enumerate() {
+                *v = ((k % (2 * h)) == k / (2 * h)) as u8 as f32;
+            }
+        }
+        "fc.bias" => values.fill(0.0),
+        _ if adds_to_the_residual(name) => values.fill(0.0),
+        _ => {}
+    });
+    let constant = dir.path().join("constant");
+    std::fs::create_dir(&constant).unwrap();
+    changed_head("eagle3", &constant, |name, values, _| match name {
+        "lm_head.weight" => values.fill(0.0),
+        "d2t" => values[0] = favourite as f32,
+        _ => {}
+    });
+    for (dir, method, every) in [
+        (&exact, EagleMethod::Eagle, true),
+        (&constant, EagleMethod::Eagle3, false),
+    ] {
+        let head = open_head(&model, dir, method);
+        for kv_blocks in [64, 9] {
+            let what = format!("{}, {kv_blocks} blocks", method.name());
+            let drafting = serve(&model, Some(&head), config(kv_blocks, 3), &greedy);
+            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            assert!(drafting.accepted > 0, "{what}: no draft accepted");
+            assert_eq!(
+                drafting.accepted == drafting.drafted,
+                every,
+                "{what}: {} of {}",
+                drafting.accepted,
+                drafting.drafted
+            );
+            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+            let mixed = requests(vocab, true);
+            let sampled = serve(&model, Some(&head), config(kv_blocks, 3), &mixed);
+            assert_eq!(
+                sampled.tokens,
+                serve(&model, None, config(kv_blocks, 0), &mixed).tokens,
+                "{what}, sampled"
+            );
+        }
+    }
+}
