@@ -54,6 +54,11 @@ enum Command {
         /// every row scored with a 4-bit copy of the head and the best 64 rescored in full.
         #[arg(long, value_enum, default_value_t = bbc::serve::DraftHead::Full)]
         draft_head: bbc::serve::DraftHead,
+        /// GPU targets: an EAGLE head to compile a draft plan for, as vLLM's JSON names it
+        /// (`{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}`); `bbc serve` of
+        /// the artifact then drafts with it given the same.
+        #[arg(long)]
+        speculative_config: Option<String>,
         /// GPU targets: the tensor-core GEMM bf16 matmuls prefill through: `tma`, the
         /// target's TMA-fed GEMM after a launch making the rows bf16; `specialised`, that GEMM
         /// with a producer warp (Hopper, B200); `persistent`, that one with a block a
@@ -165,6 +170,7 @@ fn run(cli: Cli) -> Result<()> {
             verify,
             tokenizer,
             draft_head,
+            speculative_config,
             prefill_gemm,
             prefill_attention,
             decode_attention,
@@ -183,6 +189,7 @@ fn run(cli: Cli) -> Result<()> {
             verify,
             tokenizer: tokenizer.as_deref(),
             draft_head,
+            speculative_config: speculative_config.as_deref(),
             prefill_gemm,
             prefill_attention,
             decode_attention,

@@ -205,8 +205,11 @@ pub struct GpuPlanFiles {
     /// The batched serving plan and its graph, when the artifact has them.
     pub serving: Option<(String, Graph)>,
     /// The multi-token prediction head's batched plan and its graph, when the checkpoint
-    /// carries one (the serving plan then outputs the hidden states it reads).
+    /// carries one (the serving plan then outputs the hidden states it reads), or the EAGLE
+    /// head's the artifact was compiled with.
     pub mtp: Option<(String, Graph)>,
+    /// The EAGLE head whose draft step `mtp` is, if it is one.
+    pub eagle_head: Option<codegen::EagleHeadFiles>,
 }
 
 impl Loaded {
@@ -496,6 +499,7 @@ fn load_artifact(dir: &Path, options: LoadOptions) -> Result<Loaded> {
                 greedy: manifest.greedy_plan.clone(),
                 serving: manifest.serving_plan.clone().zip(graphs.serving),
                 mtp: manifest.mtp_plan.clone().zip(graphs.mtp),
+                eagle_head: manifest.eagle_head.clone(),
             }),
         generated_weights: on_device,
         speculative: None,

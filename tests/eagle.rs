@@ -8,13 +8,16 @@
 
 mod common;
 
-use common::drafting::{adds_to_the_residual, bigram, config, f32_tensor, requests, serve_on, Served};
+use common::drafting::{
+    adds_to_the_residual, bigram, config, f32_tensor, requests, requests_of_lengths, serve_on, Served,
+};
 use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 use ir::reference::Interpreter;
 use models::eagle::{EagleHead, EagleMethod};
 use models::weights::{DequantizedWeights, MemoryTensors, Tensors};
 use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
-use runtime::serving::{DraftRequest, Drafter, MtpDrafter, SchedulerConfig, SeqId};
+use runtime::emulator_device::EmulatorBackend;
+use runtime::serving::{DraftRequest, Drafter, MtpDrafter, PagedBackend, SchedulerConfig, SeqId};
 use runtime::{CpuBackend, SamplingParams};
 use std::path::Path;
 
@@ -174,7 +177,8 @@ fn the_target_outputs_the_states_its_head_reads() {
 /// The head's rows as the reference computes them: the prompt's (each reading the token
 /// after its position and the target's state there) in one step, then two chained rows, each
 /// reading the draft before it and the state the row before passed on; every row's logits and
-/// state, through the interpreter and on the CPU backend (optimized).
+/// state through the interpreter and on the CPU backend (optimized), and each step's last
+/// row's on the head's batched plan for the H200 (the emulator).
 #[test]
 fn the_heads_rows_are_the_references() {
     let model = llama();
@@ -190,6 +194,14 @@ fn the_heads_rows_are_the_references() {
         let optimized = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
         let backend = CpuBackend::new(optimized, &weights, model.config.context_length).unwrap();
         let mut pages = backend.new_pages(8);
+        let plan_graph = head
+            .lower(&model.config, &model.weights, options(&model, LogitsFor::LastToken))
+            .unwrap();
+        let plan_graph = models::with_greedy_token(&fused_for_h200(&plan_graph)).unwrap();
+        let (plan, kernels) =
+            codegen::gpu::build_batched(&plan_graph, codegen::Target::H200, PLAN_ROWS, plan_cache(4)).unwrap();
+        let plan = EmulatorBackend::emulated(plan, kernels, plan_graph, &weights, &[], PLAN_CONTEXT).unwrap();
+        let mut plan_pages = PagedBackend::new_pages(&plan, 8);
         let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
         let (h, vocab) = (head.config.hidden, head.draft_vocab);
         let n = want.prompt.len();
@@ -222,6 +234,20 @@ fn the_heads_rows_are_the_references() {
                     &format!("{what}: states"),
                 );
             }
+            let step = [segment(&table, *start, ids, states)];
+            let planned = &PagedBackend::step_batch(&plan, &mut plan_pages, &step).unwrap()[0];
+            let last = rows.end - 1;
+            let what = format!("{what}, H200 plan");
+            assert_close(
+                &planned["logits"].data,
+                &want.logits[last * vocab..(last + 1) * vocab],
+                &format!("{what}: logits"),
+            );
+            assert_close(
+                &planned[DRAFT_HIDDEN_STATE].data,
+                &want.draft_states[last * h..(last + 1) * h],
+                &format!("{what}: state"),
+            );
         }
     }
 }
@@ -443,4 +469,237 @@ fn accepted_eagle_drafts_change_no_token() {
             );
         }
     }
+}
+
+/// Rows a step of the emulated plans takes, and the positions a sequence may hold there.
+const PLAN_ROWS: usize = 64;
+const PLAN_CONTEXT: usize = 128;
+
+/// `graph` through the pipeline for the H200, as `bbc compile --target h200` fuses it.
+fn fused_for_h200(graph: &ir::Graph) -> ir::Graph {
+    passes::optimized(graph, bbc::model_ref::cost_model(codegen::Target::H200)).unwrap()
+}
+
+fn plan_cache(blocks: usize) -> codegen::gpu::BatchedCache {
+    codegen::gpu::BatchedCache {
+        blocks,
+        block_size: 8,
+        sequences: 4,
+    }
+}
+
+/// The serving plan `bbc compile` writes for the target of `head` (its argmax beside its
+/// logits, the states the head reads at every row), on the emulator over the target's and the
+/// head's tensors, checkpoints for three drafts.
+fn target_plan(model: &Model, head: &EagleHead, kv_blocks: usize) -> EmulatorBackend {
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let graph = head
+        .target_graph(&graph, &model.weights, options(model, LogitsFor::LastToken))
+        .unwrap();
+    let graph = models::with_greedy_token(&fused_for_h200(&graph)).unwrap();
+    let weights = head.weights_beside(&model.weights);
+    let (plan, kernels) =
+        codegen::gpu::build_batched(&graph, codegen::Target::H200, PLAN_ROWS, plan_cache(kv_blocks)).unwrap();
+    EmulatorBackend::emulated(plan, kernels, graph, &weights, &[], PLAN_CONTEXT)
+        .unwrap()
+        .capture_graphs_up_to(16)
+        .verify_drafts_up_to(3)
+        .unwrap()
+}
+
+/// The head's plan as `bbc compile` writes it (its argmax beside its logits, or its token from
+/// a 4-bit shortlist) drafting on the emulator beside `target`'s plan, reading the weights the
+/// target holds from its buffers, as `bbc serve` loads it.
+fn head_plan(
+    model: &Model,
+    head: &EagleHead,
+    shortlisted: bool,
+    target: &EmulatorBackend,
+) -> MtpDrafter<EmulatorBackend> {
+    let logits = match shortlisted {
+        true => LogitsFor::GreedyToken,
+        false => LogitsFor::LastToken,
+    };
+    let graph = head
+        .lower(&model.config, &model.weights, options(model, logits))
+        .unwrap();
+    let graph = match shortlisted {
+        true => fused_for_h200(&passes::shortlisted_draft_head(&graph).unwrap()),
+        false => models::with_greedy_token(&fused_for_h200(&graph)).unwrap(),
+    };
+    let (plan, kernels) =
+        codegen::gpu::build_batched(&graph, codegen::Target::H200, PLAN_ROWS, plan_cache(256)).unwrap();
+    let device = target.with_device(|d| d.beside(kernels)).unwrap();
+    let shared = target.shared_weights().unwrap();
+    let weights = head.weights_beside(&model.weights);
+    let weights = runtime::plan_exec::PlanWeights::Host(&weights);
+    let backend =
+        runtime::plan_exec::PlanExecutor::with_weights_beside(device, plan, graph, weights, &[], PLAN_CONTEXT, &shared)
+            .unwrap()
+            .capture_graphs_up_to(4);
+    let drafter = MtpDrafter::new(backend, head.config.hidden, 256, 8, PLAN_ROWS, PLAN_CONTEXT).unwrap();
+    match &head.token_map {
+        Some(map) => drafter.with_token_map(map.clone()),
+        None => drafter,
+    }
+}
+
+/// On the serving and head plans `bbc compile` writes (run by the emulator, the head loaded
+/// beside the target), drafting with every fixture head, from its full head or its 4-bit
+/// shortlist, generates the tokens the CPU backend generates without it, with preemption and
+/// prefix-cache hits. Shorter prompts than the CPU tests': the emulator computes a few
+/// thousand positions a second.
+#[test]
+fn eagle_drafts_on_gpu_plans_change_no_token() {
+    let model = llama();
+    let vocab = model.config.vocab_size as u32;
+    let requests: Vec<_> = requests_of_lengths(vocab, false, [7, 3, 11, 5]);
+    for kv_blocks in [6] {
+        let plain = serve(&model, None, config(kv_blocks, 0), &requests);
+        for (name, method) in HEADS {
+            let head = fixture_head(&model, name, method);
+            for shortlisted in [false, true] {
+                let what = format!("{name}, {kv_blocks} blocks, shortlisted {shortlisted}");
+                let target = target_plan(&model, &head, kv_blocks);
+                let drafter = Box::new(head_plan(&model, &head, shortlisted, &target)) as Box<dyn Drafter>;
+                let drafting = serve_on(target, Some(drafter), config(kv_blocks, 3), &requests, 12);
+                assert_eq!(
+                    drafting.tokens,
+                    plain.tokens.iter().map(|t| t[..12].to_vec()).collect::<Vec<_>>(),
+                    "{what}"
+                );
+                assert!(drafting.drafted > 0, "{what}: no drafts");
+                assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+                assert!(drafting.cache_full, "{what}: no preemption");
+            }
+        }
+    }
+}
+
+/// `bbc` with `args`, its exit status and stderr.
+fn bbc(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(args)
+        .env("BBC_HOME", common::scratch_dir("bbc-eagle-home-").path())
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn speculative(method: &str, head: &str) -> String {
+    let dir = common::fixture(&format!("eagle/{head}"));
+    serde_json::json!({"method": method, "model": dir, "num_speculative_tokens": 3}).to_string()
+}
+
+/// `bbc compile --target h200 --speculative-config` writes the EAGLE head's draft plan beside
+/// the serving plan (which outputs the states it reads: `fc` over the aux layers' streams),
+/// and the manifest names the head (its method, directory and its files' sha256). `bbc serve`
+/// of the artifact refuses, before touching a device, another head, method `mtp`, and an
+/// EAGLE head for an artifact compiled without one; `bbc compile` refuses the CPU target and
+/// a model of random weights.
+#[test]
+fn an_artifact_carries_its_eagle_heads_plan() {
+    if codegen::nvrtc::ensure_loaded().is_err() {
+        assert!(
+            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        eprintln!("skipped: NVRTC not installed");
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-eagle-artifact-");
+    let llama = common::fixture("hf-tiny/llama");
+    let llama = llama.to_str().unwrap();
+    let tokenizer = common::real_model("smollm2");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let artifact = |name: &str, extra: &[&str]| -> String {
+        let out = scratch.path().join(name);
+        let out = out.to_str().unwrap().to_string();
+        let args = [
+            &[
+                "compile",
+                llama,
+                "--tokenizer",
+                tokenizer,
+                "--target",
+                "h200",
+                "-o",
+                &out,
+            ][..],
+            extra,
+        ]
+        .concat();
+        let (ok, stderr) = bbc(&args);
+        assert!(ok, "{stderr}");
+        out
+    };
+    let eagle3 = speculative("eagle3", "eagle3");
+    let with_head = artifact("eagle3", &["--speculative-config", &eagle3]);
+    let manifest = codegen::read_manifest(Path::new(&with_head)).unwrap();
+    let head_dir = std::fs::canonicalize(common::fixture("eagle/eagle3")).unwrap();
+    assert_eq!(
+        manifest.eagle_head,
+        Some(codegen::EagleHeadFiles {
+            method: "eagle3".into(),
+            weights_sha256: codegen::hash_weights(&head_dir).unwrap(),
+            dir: head_dir,
+        })
+    );
+    let graphs = codegen::read_graphs(Path::new(&with_head), &manifest).unwrap();
+    let serving = graphs.serving.expect("a serving graph");
+    assert!(serving.output(TARGET_HIDDEN_STATES).is_some());
+    let reads = |g: &ir::Graph, name: &str| {
+        g.nodes()
+            .iter()
+            .any(|n| matches!(&n.op, ir::Op::Weight { name: w } if w == name))
+    };
+    assert!(reads(&serving, "eagle.fc.weight"));
+    let head = graphs.mtp.expect("the head's graph");
+    assert!(reads(&head, "eagle.midlayer.hidden_norm.weight") && reads(&head, "eagle.lm_head.weight"));
+    let without_head = artifact("plain", &[]);
+    let serve = |artifact: &str, config: &str| bbc(&["serve", artifact, "--port", "0", "--speculative-config", config]);
+    let mtp = r#"{"method": "mtp", "num_speculative_tokens": 3}"#;
+    for (artifact, config, needle) in [
+        (
+            &with_head,
+            speculative("eagle3", "eagle3_speculators"),
+            "was compiled with the eagle3 head in",
+        ),
+        (&without_head, eagle3.clone(), "has no EAGLE head's plan"),
+        (&with_head, mtp.to_string(), "has none"),
+    ] {
+        let (ok, stderr) = serve(artifact, &config);
+        assert!(!ok && stderr.contains(needle), "{config}: {stderr}");
+    }
+    let cpu = scratch.path().join("cpu");
+    let (ok, stderr) = bbc(&[
+        "compile",
+        llama,
+        "-o",
+        cpu.to_str().unwrap(),
+        "--speculative-config",
+        &eagle3,
+    ]);
+    assert!(!ok && stderr.contains("compiled into GPU artifacts"), "{stderr}");
+    // The tiny Llama's shape with random weights, its vocabulary SmolLM2's tokenizer's.
+    let path = common::fixture("hf-tiny/llama/config.json");
+    let mut shape: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    shape["vocab_size"] = 49152.into();
+    let config = scratch.path().join("config.json");
+    std::fs::write(&config, shape.to_string()).unwrap();
+    let random = scratch.path().join("random");
+    let args = [
+        "compile",
+        config.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer,
+        "--target",
+        "h200",
+        "-o",
+        random.to_str().unwrap(),
+        "--speculative-config",
+        &eagle3,
+    ];
+    let (ok, stderr) = bbc(&args);
+    assert!(!ok && stderr.contains("this model's are random"), "{stderr}");
 }

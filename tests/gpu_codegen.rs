@@ -32,6 +32,7 @@ fn graphs(logits: &ir::Graph) -> codegen::CompiledGraphs<'_> {
         greedy: None,
         serving: None,
         mtp: None,
+        eagle: None,
     }
 }
 
@@ -336,6 +337,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         verify: false,
         tokenizer: None,
         draft_head: bbc::serve::DraftHead::Full,
+        speculative_config: None,
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
         decode_attention: Default::default(),
@@ -1051,6 +1053,7 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
         greedy: None,
         serving: Some(&serving),
         mtp: None,
+        eagle: None,
     };
     let manifest = codegen::compile(&model, all, Target::H200, dir).unwrap();
     assert_eq!(manifest.serving_plan.as_deref(), Some("serving_plan.json"));
@@ -1151,6 +1154,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         greedy: None,
         serving: Some(&serving),
         mtp: None,
+        eagle: None,
     };
     codegen::compile(&model, all, Target::H200, dir).unwrap();
     // `bbc run` and `bbc serve` both say what is missing, and neither panics.

@@ -125,6 +125,10 @@ pub struct Manifest {
     pub mtp_graph_json: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtp_plan: Option<String>,
+    /// GPU targets compiled with an EAGLE head: the `mtp.*` graph and plan are its draft step
+    /// (not the checkpoint's own layers), and the serving plan outputs the states it reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eagle_head: Option<EagleHeadFiles>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
@@ -141,6 +145,38 @@ pub struct CompiledGraphs<'a> {
     pub serving: Option<&'a Graph>,
     /// The multi-token prediction head's graph (GPU targets only), drafting for `serving`.
     pub mtp: Option<&'a Graph>,
+    /// Where `mtp` is an EAGLE head's draft step: the head, whose tensors it and `serving`
+    /// read beside the model's.
+    pub eagle: Option<EagleGraphs<'a>>,
+}
+
+/// An EAGLE head compiled into an artifact's draft plan.
+#[derive(Clone, Copy)]
+pub struct EagleGraphs<'a> {
+    /// vLLM's name for its method (`eagle`, `eagle3`).
+    pub method: &'a str,
+    /// Its directory (`config.json` and safetensors).
+    pub dir: &'a Path,
+    /// The model's tensors and the head's beside them, as the graphs name them.
+    pub weights: &'a dyn quant::tensor::Tensors,
+}
+
+impl std::fmt::Debug for EagleGraphs<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EagleGraphs")
+            .field("method", &self.method)
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The EAGLE head an artifact's draft plan is: its method, its directory (absolute) and the
+/// sha256 of its safetensors, which `bbc serve` checks the head it is given against.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EagleHeadFiles {
+    pub method: String,
+    pub dir: PathBuf,
+    pub weights_sha256: String,
 }
 
 /// Write the artifact for `graphs` of `model` into `dir`.
@@ -162,9 +198,26 @@ pub fn compile_with(
         greedy,
         serving,
         mtp,
+        eagle,
     } = graphs;
     let serving = serving.filter(|_| target != Target::Cpu);
     let mtp = mtp.filter(|_| serving.is_some());
+    let eagle = eagle.filter(|_| mtp.is_some());
+    let eagle_head = eagle
+        .map(|e| -> Result<EagleHeadFiles, ArtifactError> {
+            let dir = std::fs::canonicalize(e.dir).map_err(io(e.dir))?;
+            Ok(EagleHeadFiles {
+                method: e.method.to_string(),
+                weights_sha256: hash_weights(&dir)?,
+                dir,
+            })
+        })
+        .transpose()?;
+    // The tensors the plans read: the model's, and an EAGLE head's beside them.
+    let tensors: &dyn quant::tensor::Tensors = match eagle {
+        Some(e) => e.weights,
+        None => &model.weights,
+    };
     // The weights' hash reads the whole file (gigabytes): on a thread of its own, while the
     // kernels compile.
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
@@ -176,7 +229,7 @@ pub fn compile_with(
     // fill kernels. Stored weights the device converts: the conversion kernels.
     let loading = Loading {
         fills: model.spec.random_weights.is_some(),
-        weights: &model.weights,
+        weights: tensors,
         kernels,
     };
     let (plan, greedy_plan, serving_plan, mtp_plan) = match target {
@@ -252,6 +305,7 @@ pub fn compile_with(
         prefill_experts: target.cuda_arch().is_some().then_some(kernels.prefill_experts),
         mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
         mtp_plan,
+        eagle_head,
         int8_heads,
         hash: String::new(),
     };
@@ -392,7 +446,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// sha256 of the weights file, or of a directory's `*.safetensors` files in name order.
-fn hash_weights(path: &Path) -> Result<String, ArtifactError> {
+pub fn hash_weights(path: &Path) -> Result<String, ArtifactError> {
     let mut files = vec![];
     if path.is_dir() {
         for entry in std::fs::read_dir(path).map_err(io(path))? {

@@ -13,8 +13,8 @@ pub mod spill_free;
 mod target;
 
 pub use artifact::{
-    compile, compile_with, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, CompiledGraphs, Manifest,
-    MANIFEST_FILE,
+    compile, compile_with, hash_weights, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, CompiledGraphs,
+    EagleGraphs, EagleHeadFiles, Manifest, MANIFEST_FILE,
 };
 pub use derived::{int8_heads, read_int8_heads, DerivedWeight};
 pub use target::Target;

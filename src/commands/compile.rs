@@ -2,7 +2,7 @@
 
 use crate::model_ref::{self, ModelRef};
 use crate::serve::DraftHead;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use codegen::Target;
 use std::path::Path;
 
@@ -20,6 +20,8 @@ pub struct CompileArgs<'a> {
     pub tokenizer: Option<&'a str>,
     /// The head of the multi-token prediction layers' plan (GPU targets).
     pub draft_head: DraftHead,
+    /// GPU targets: an EAGLE head to compile a draft plan for (vLLM's JSON).
+    pub speculative_config: Option<&'a str>,
     /// The tensor-core GEMM the GPU plans' bf16 matmuls prefill through.
     pub prefill_gemm: PrefillGemm,
     /// The tensor-core attention the GPU plans' prompts attend with.
@@ -188,6 +190,13 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;
+    let eagle = match args.speculative_config {
+        None => None,
+        Some(_) if target == Target::Cpu => bail!(
+            "--speculative-config: EAGLE heads are compiled into GPU artifacts; on the CPU backend `bbc serve` reads the head as it is"
+        ),
+        Some(json) => Some(eagle_head(&loaded, json)?),
+    };
     let stages = passes::optimize(&loaded.graph, model_ref::cost_model(target), args.emit_after)?;
     for stage in &stages {
         let r = &stage.report;
@@ -230,24 +239,46 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     // request of a step decodes greedily.
     // A checkpoint with multi-token prediction layers also gets their plan, to draft with:
     // the serving plan then outputs its hidden state at every row, which they read.
-    let mtp = match target {
-        Target::Cpu => None,
-        _ => mtp_head(&loaded, target, args.draft_head)?,
+    // An EAGLE head given takes the place of the checkpoint's own layers.
+    let mtp = match (target, &eagle) {
+        (Target::Cpu, _) => None,
+        (_, Some(head)) => Some(eagle_head_graph(&loaded, head, target, args.draft_head)?),
+        (_, None) => mtp_head(&loaded, target, args.draft_head)?,
     };
     let serving = match (target, &mtp) {
         (Target::Cpu, _) => None,
         (_, None) => Some(models::with_greedy_token(fused)?),
         (_, Some(_)) => {
-            let target_graph = models::with_hidden_states(&loaded.graph)?;
+            let target_graph = match &eagle {
+                Some(head) => {
+                    let model = &loaded.model;
+                    let options = models::LowerOptions {
+                        logits: models::LogitsFor::LastToken,
+                        compute: model.spec.dtype,
+                        kv_cache: model.spec.kv_cache_dtype,
+                    };
+                    head.target_graph(&loaded.graph, &model.weights, options)?
+                }
+                None => models::with_hidden_states(&loaded.graph)?,
+            };
             let fused = passes::optimized(&target_graph, model_ref::cost_model(target))?;
             Some(models::with_greedy_token(&fused)?)
         }
     };
+    let eagle_weights = eagle.as_ref().map(|head| head.weights_beside(&loaded.model.weights));
     let graphs = codegen::CompiledGraphs {
         logits: fused,
         greedy: greedy.as_ref(),
         serving: serving.as_ref(),
         mtp: mtp.as_ref(),
+        eagle: eagle
+            .as_ref()
+            .zip(eagle_weights.as_ref())
+            .map(|(head, weights)| codegen::EagleGraphs {
+                method: head.method.name(),
+                dir: &head.dir,
+                weights,
+            }),
     };
     if target != Target::Cpu {
         crate::fetch::ensure_nvrtc(false)?;
@@ -275,10 +306,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     Ok(())
 }
 
-/// The draft step of the model's multi-token prediction layers, fused for `target`, where
-/// its checkpoint carries layers bbc lowers: with the full head, its argmax beside its logits
-/// (as the serving plan's: a batched step computes it from each sequence's logits row); with
-/// the shortlist, its token alone. Where the checkpoint carries layers bbc cannot lower
+/// The draft step of the model's multi-token prediction layers, fused for `target` (see
+/// [`draft_plan_graph`]), where its checkpoint carries layers bbc lowers. Where the checkpoint carries layers bbc cannot lower
 /// (llama.cpp's Qwen files), why not, said on stderr, and none; a head that cannot be
 /// shortlisted (rows not whole blocks of 32) is an error.
 fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -> Result<Option<ir::Graph>> {
@@ -302,25 +331,68 @@ fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -
             return Ok(None);
         }
     };
+    Ok(Some(draft_plan_graph(&graph, target, draft_head, model.config.hidden)?))
+}
+
+/// A draft head's `graph` fused for `target`: with the full head, its argmax beside its logits
+/// (as the serving plan's: a batched step computes it from each sequence's logits row); with
+/// the shortlist, its token alone, refused where the head's rows (`hidden` wide) are not whole
+/// blocks of 32.
+fn draft_plan_graph(graph: &ir::Graph, target: Target, draft_head: DraftHead, hidden: usize) -> Result<ir::Graph> {
     let cost = model_ref::cost_model(target);
-    Ok(Some(match draft_head {
-        DraftHead::Full => models::with_greedy_token(&passes::optimized(&graph, cost)?)?,
+    Ok(match draft_head {
+        DraftHead::Full => models::with_greedy_token(&passes::optimized(graph, cost)?)?,
         DraftHead::Shortlist => {
-            let shortlisted = passes::shortlisted_draft_head(&graph)?;
+            let shortlisted = passes::shortlisted_draft_head(graph)?;
             if !shortlisted
                 .nodes()
                 .iter()
                 .any(|n| matches!(n.op, ir::Op::ShortlistTopK { .. }))
             {
                 bail!(
-                    "--draft-head shortlist: the head's rows ({} wide) are not whole blocks of 32, \
-                     which its 4-bit copy needs; `--draft-head full` compiles the full head",
-                    model.config.hidden
+                    "--draft-head shortlist: the head's rows ({hidden} wide) are not whole blocks of 32, \
+                     which its 4-bit copy needs; `--draft-head full` compiles the full head"
                 );
             }
             passes::optimized(&shortlisted, cost)?
         }
-    }))
+    })
+}
+
+/// The EAGLE head `json` names, read against `loaded`'s model, which must have weights of its
+/// own (a head drafts for the model it was trained with, not for random weights).
+fn eagle_head(loaded: &model_ref::Loaded, json: &str) -> Result<models::eagle::EagleHead> {
+    let (method, dir) = crate::serve::speculation::eagle_head(json)?;
+    let name = method.name();
+    if loaded.model.spec.random_weights.is_some() {
+        bail!("method `{name}`: an EAGLE head drafts for the weights it was trained with; this model's are random");
+    }
+    let path = Path::new(&dir);
+    if !path.is_dir() {
+        bail!("method `{name}`: `model` must be the head's directory (config.json and safetensors), not {dir}");
+    }
+    models::eagle::EagleHead::open(path, method, &loaded.model.config).with_context(|| format!("method `{name}`"))
+}
+
+/// `head`'s draft step, fused for `target`, as [`mtp_head`] compiles the checkpoint's own.
+fn eagle_head_graph(
+    loaded: &model_ref::Loaded,
+    head: &models::eagle::EagleHead,
+    target: Target,
+    draft_head: DraftHead,
+) -> Result<ir::Graph> {
+    let model = &loaded.model;
+    let logits = match draft_head {
+        DraftHead::Full => models::LogitsFor::LastToken,
+        DraftHead::Shortlist => models::LogitsFor::GreedyToken,
+    };
+    let options = models::LowerOptions {
+        logits,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    };
+    let graph = head.lower(&model.config, &model.weights, options)?;
+    draft_plan_graph(&graph, target, draft_head, head.config.hidden)
 }
 
 /// One line per generated kernel: registers per thread on the target, launches per step.

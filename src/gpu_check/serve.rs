@@ -124,6 +124,7 @@ pub(super) fn compile_shape(
         verify: false,
         tokenizer: tokenizer.to_str(),
         draft_head: crate::serve::DraftHead::Full,
+        speculative_config: None,
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
         decode_attention: Default::default(),

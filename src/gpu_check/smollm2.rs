@@ -84,6 +84,7 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
         greedy: Some(&greedy_graph),
         serving: None,
         mtp: None,
+        eagle: None,
     };
     let manifest = codegen::compile(&model, graphs, target, dir)?;
     let int8 = codegen::read_int8_heads(dir, &manifest.int8_heads)?;

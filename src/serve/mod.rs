@@ -6,7 +6,7 @@ mod draft;
 mod eagle;
 mod generation_config;
 mod mtp;
-mod speculation;
+pub(crate) mod speculation;
 
 use crate::model_ref;
 use anyhow::{bail, ensure, Context, Result};
@@ -317,6 +317,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             mtp_head = Some(mtp::prepare(&mut loaded, args.draft_head)?);
             None
         }
+        // A GPU artifact's head is a plan of its own, loaded beside the target's below.
+        speculation::Drafting::Eagle(..) if loaded.gpu_plan.is_some() => None,
         speculation::Drafting::Eagle(method, dir) => {
             let (graph, head) = eagle::prepare(&mut loaded, *method, dir, args.draft_head)?;
             mtp_head = Some(graph);
@@ -336,9 +338,20 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 .serving
                 .clone()
                 .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
-            let mtp_plan = match drafting {
+            let mtp_plan = match &drafting {
                 speculation::Drafting::Mtp => Some(mtp::gpu_plan(&plans, &graph)?),
+                speculation::Drafting::Eagle(method, dir) => {
+                    let (head, plan) = eagle::gpu_plan(&loaded, &plans, *method, dir)?;
+                    eagle_head = Some(head);
+                    Some(plan)
+                }
                 _ => None,
+            };
+            // The tensors the plans read: the target's, and an EAGLE head's beside them.
+            let joined = eagle_head.as_ref().map(|e| e.weights_beside(&loaded.model.weights));
+            let head_weights = match &joined {
+                Some(joined) => runtime::plan_exec::PlanWeights::Host(joined),
+                None => loaded.plan_weights(),
             };
             let cache = codegen::gpu::BatchedCache {
                 // Sized to the device's memory below unless given.
@@ -346,7 +359,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 block_size,
                 sequences: args.max_num_seqs,
             };
-            let weights = loaded.plan_weights();
+            let weights = head_weights;
             let int8 = &loaded.int8_heads;
             // A decode step has a row per running sequence, and one per drafted token beside
             // it: those row counts run as graphs (none under `--enforce-eager`).
@@ -373,7 +386,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                         &plans.dir,
                         &plan,
                         graph,
-                        &loaded,
+                        (head_weights, context_length),
                         &placeholder,
                         &backend,
                     )?)
@@ -415,11 +428,20 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                         blocks: config.kv_blocks,
                         ..draft_cache
                     };
-                    let drafter = mtp::drafter(head, loaded.model.config.hidden, context_length, &cache)?;
-                    Some((
-                        "the model's multi-token prediction layers (on the GPU)".to_string(),
-                        drafter,
-                    ))
+                    match &eagle_head {
+                        Some(eagle) => Some((
+                            format!(
+                                "the {} head in {} (on the GPU)",
+                                eagle.method.name(),
+                                eagle.dir.display()
+                            ),
+                            eagle::drafter(head, eagle, context_length, &cache)?,
+                        )),
+                        None => Some((
+                            "the model's multi-token prediction layers (on the GPU)".to_string(),
+                            mtp::drafter(head, loaded.model.config.hidden, context_length, &cache)?,
+                        )),
+                    }
                 }
                 None => drafter,
             };

@@ -37,6 +37,13 @@ pub fn prepare(loaded: &mut Loaded, head: super::DraftHead) -> Result<ir::Graph>
 /// A GPU artifact's multi-token prediction plan and graph, checked to draft for its serving
 /// plan's graph `serving` (which outputs the hidden states the head reads).
 pub fn gpu_plan(plans: &GpuPlanFiles, serving: &ir::Graph) -> Result<(String, ir::Graph)> {
+    if let Some(head) = &plans.eagle_head {
+        bail!(
+            "method `mtp`: this GPU artifact's draft plan is the {} head in {}; serve it with that method and head",
+            head.method,
+            head.dir.display()
+        );
+    }
     let Some(mtp) = plans.mtp.clone() else {
         bail!(
             "method `mtp`: this GPU artifact has no multi-token prediction plan (its checkpoint carries no MTP layers bbc reads, or an older bbc compiled it)"
@@ -48,15 +55,16 @@ pub fn gpu_plan(plans: &GpuPlanFiles, serving: &ir::Graph) -> Result<(String, ir
     Ok(mtp)
 }
 
-/// A GPU artifact's multi-token prediction plan (`plan` in `dir`, its `graph`) loaded over
-/// `loaded`'s weights beside `target`'s plan (the embedding and LM head read from its buffers,
-/// not uploaded again) with a pool of `cache`'s blocks (to be resized beside the target's), its
-/// decode passes (a row per sequence) replayed as CUDA graphs.
+/// A GPU artifact's draft head plan (`plan` in `dir`, its `graph`: multi-token prediction
+/// layers' or an EAGLE head's) loaded over `weights` beside `target`'s plan (the embedding and
+/// LM head read from its buffers, not uploaded again) with a pool of `cache`'s blocks (to be
+/// resized beside the target's), its decode passes (a row per sequence) replayed as CUDA
+/// graphs.
 pub fn gpu_head(
     dir: &std::path::Path,
     plan: &str,
     graph: ir::Graph,
-    loaded: &Loaded,
+    (weights, context_length): (runtime::plan_exec::PlanWeights<'_>, usize),
     cache: &DraftCache,
     target: &runtime_cuda::CudaBackend,
 ) -> Result<runtime_cuda::CudaBackend> {
@@ -65,19 +73,12 @@ pub fn gpu_head(
         block_size: cache.block_size,
         sequences: cache.sequences,
     };
-    let context_length = loaded.model.config.context_length;
     let beside = target.shared_weights()?;
-    Ok(runtime_cuda::load_batched_plan_beside(
-        dir,
-        plan,
-        graph,
-        loaded.plan_weights(),
-        context_length,
-        plan_cache,
-        &beside,
+    Ok(
+        runtime_cuda::load_batched_plan_beside(dir, plan, graph, weights, context_length, plan_cache, &beside)
+            .context("the draft head's plan")?
+            .capture_graphs_up_to(cache.graph_rows()),
     )
-    .context("method `mtp`")?
-    .capture_graphs_up_to(cache.graph_rows()))
 }
 
 /// The drafter over the head's backend, with `cache`'s room.

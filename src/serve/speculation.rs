@@ -153,6 +153,18 @@ impl SpeculationFlags {
     }
 }
 
+/// The EAGLE head `--speculative-config` names (method `eagle` or `eagle3`), as `bbc compile`
+/// reads it: the other methods need nothing compiled.
+pub(crate) fn eagle_head(json: &str) -> Result<(EagleMethod, String)> {
+    match from_config(json).context("--speculative-config")?.eagle {
+        Some(head) => Ok(head),
+        None => bail!(
+            "--speculative-config: `bbc compile` compiles EAGLE heads (method `eagle` or `eagle3`); \
+             prompt lookup and draft models need nothing compiled, and a checkpoint's MTP layers are compiled with it"
+        ),
+    }
+}
+
 /// vLLM's `--speculative-config` JSON as the flags it stands for: method `ngram` (with
 /// `num_speculative_tokens` and the lookup lengths), `draft_model` (with `model`, implied
 /// where the method is not given), `mtp` (with `num_speculative_tokens`), or `eagle` and
