@@ -327,8 +327,9 @@ fn in_memory(mut model: Model) -> Model {
     model
 }
 
-/// A copy of fixture head `name` in `dir` with `change` made to its tensors (by name, in f32).
-fn changed_head(name: &str, dir: &Path, change: impl Fn(&str, &mut Vec<f32>, &[usize])) {
+/// A copy of fixture head `name` in `dir` with `change` made to its tensors (by name, in f32;
+/// those it returns false for left out).
+fn changed_head(name: &str, dir: &Path, change: impl Fn(&str, &mut Vec<f32>, &[usize]) -> bool) {
     let from = common::fixture(&format!("eagle/{name}"));
     std::fs::copy(from.join("config.json"), dir.join("config.json")).unwrap();
     let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
@@ -336,22 +337,25 @@ fn changed_head(name: &str, dir: &Path, change: impl Fn(&str, &mut Vec<f32>, &[u
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (key, t) in file.tensors() {
         let mut data = t.data().to_vec();
+        let mut keep = true;
         if t.dtype() == safetensors::Dtype::F32 {
             let mut values: Vec<f32> = data
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
                 .collect();
-            change(&key, &mut values, t.shape());
+            keep = change(&key, &mut values, t.shape());
             data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         } else if key == "d2t" {
             let mut offsets: Vec<f32> = data
                 .chunks_exact(8)
                 .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
                 .collect();
-            change(&key, &mut offsets, t.shape());
+            keep = change(&key, &mut offsets, t.shape());
             data = offsets.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
         }
-        tensors.push((key, t.dtype(), t.shape().to_vec(), data));
+        if keep {
+            tensors.push((key, t.dtype(), t.shape().to_vec(), data));
+        }
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
@@ -423,23 +427,29 @@ fn accepted_eagle_drafts_change_no_token() {
     let h = model.config.hidden;
     let exact = dir.path().join("exact");
     std::fs::create_dir(&exact).unwrap();
-    changed_head("eagle", &exact, |name, values, _| match name {
-        // [I | 0]: the embedding alone.
-        "fc.weight" => {
-            for (k, v) in values.iter_mut().enumerate() {
-                *v = ((k % (2 * h)) == k / (2 * h)) as u8 as f32;
+    changed_head("eagle", &exact, |name, values, _| {
+        match name {
+            // [I | 0]: the embedding alone.
+            "fc.weight" => {
+                for (k, v) in values.iter_mut().enumerate() {
+                    *v = ((k % (2 * h)) == k / (2 * h)) as u8 as f32;
+                }
             }
+            "fc.bias" => values.fill(0.0),
+            _ if adds_to_the_residual(name) => values.fill(0.0),
+            _ => {}
         }
-        "fc.bias" => values.fill(0.0),
-        _ if adds_to_the_residual(name) => values.fill(0.0),
-        _ => {}
+        true
     });
     let constant = dir.path().join("constant");
     std::fs::create_dir(&constant).unwrap();
-    changed_head("eagle3", &constant, |name, values, _| match name {
-        "lm_head.weight" => values.fill(0.0),
-        "d2t" => values[0] = favourite as f32,
-        _ => {}
+    changed_head("eagle3", &constant, |name, values, _| {
+        match name {
+            "lm_head.weight" => values.fill(0.0),
+            "d2t" => values[0] = favourite as f32,
+            _ => {}
+        }
+        true
     });
     for (dir, method, every) in [
         (&exact, EagleMethod::Eagle, true),
@@ -702,4 +712,112 @@ fn an_artifact_carries_its_eagle_heads_plan() {
     ];
     let (ok, stderr) = bbc(&args);
     assert!(!ok && stderr.contains("this model's are random"), "{stderr}");
+}
+
+/// A head that is not what its method reads is refused naming what is wrong: a tensor missing
+/// (`d2t`, a norm), `d2t` sending an id past the target's vocabulary, a tensor of another
+/// shape, two decoder layers, a layer of another kind, aux layers the target has not, and the
+/// speculators options that change what the head computes.
+#[test]
+fn a_malformed_eagle_head_is_refused_by_name() {
+    let model = llama();
+    let scratch = common::scratch_dir("bbc-eagle-malformed-");
+    let keep_all = |_: &str, _: &mut Vec<f32>, _: &[usize]| true;
+    type TensorChange = Box<dyn Fn(&str, &mut Vec<f32>, &[usize]) -> bool>;
+    type ConfigChange = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, &str, TensorChange, ConfigChange, &str)> = vec![
+        (
+            "eagle3",
+            "no d2t",
+            Box::new(|n: &str, _: &mut Vec<f32>, _: &[usize]| n != "d2t"),
+            Box::new(|_: &mut serde_json::Value| {}),
+            "its files have no `d2t`",
+        ),
+        (
+            "eagle3",
+            "d2t past the vocabulary",
+            Box::new(|n: &str, v: &mut Vec<f32>, _: &[usize]| {
+                if n == "d2t" {
+                    v[7] = 400.0;
+                }
+                true
+            }),
+            Box::new(|_: &mut serde_json::Value| {}),
+            "maps draft id 7 past the target's 320 ids",
+        ),
+        (
+            "eagle3",
+            "no hidden norm",
+            Box::new(|n: &str, _: &mut Vec<f32>, _: &[usize]| n != "midlayer.hidden_norm.weight"),
+            Box::new(|_: &mut serde_json::Value| {}),
+            "no `midlayer.hidden_norm.weight`",
+        ),
+        (
+            "eagle3",
+            "a wider MLP",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["intermediate_size"] = 128.into()),
+            "`midlayer.mlp.gate_proj.weight` has shape [96, 64]; its config implies [128, 64]",
+        ),
+        (
+            "eagle3",
+            "two layers",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["num_hidden_layers"] = 2.into()),
+            "it has 2 decoder layers",
+        ),
+        (
+            "eagle3",
+            "a qwen3 layer",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["model_type"] = "qwen3".into()),
+            "its layer is a `qwen3` layer",
+        ),
+        (
+            "eagle3_speculators",
+            "aux layers past the target's",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([0, 1, 5])),
+            "must be distinct layers of the target's 0..3",
+        ),
+        (
+            "eagle3_speculators",
+            "the same aux layer twice",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["eagle_aux_hidden_state_layer_ids"] = serde_json::json!([0, 1, 1])),
+            "must be distinct layers",
+        ),
+        (
+            "eagle3_speculators",
+            "norm_before_fc",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["norm_before_fc"] = true.into()),
+            "`norm_before_fc` (a norm over the joined states before `fc`) is not an option bbc reads",
+        ),
+        (
+            "eagle3_speculators",
+            "a target of another width",
+            Box::new(keep_all),
+            Box::new(|c: &mut serde_json::Value| c["target_hidden_size"] = 128.into()),
+            "trained for a target of hidden size 128",
+        ),
+    ];
+    for (k, (fixture, what, change, edit, needle)) in cases.into_iter().enumerate() {
+        let dir = scratch.path().join(k.to_string());
+        std::fs::create_dir(&dir).unwrap();
+        changed_head(fixture, &dir, change);
+        let path = dir.join("config.json");
+        let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let layer = match config.get_mut("transformer_layer_config") {
+            Some(layer) if !what.contains("aux") && what != "norm_before_fc" && !what.contains("target") => layer,
+            _ => &mut config,
+        };
+        edit(layer);
+        std::fs::write(&path, config.to_string()).unwrap();
+        let err = match EagleHead::open(&dir, EagleMethod::Eagle3, &model.config) {
+            Ok(_) => panic!("{what}: opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(needle), "{what}: {err}");
+    }
 }

@@ -7,8 +7,7 @@
 //!   decoder layer without its input norm; the target's LM head over the layer's un-normed
 //!   output, which the next chained step reads as its hidden state.
 //! - **EAGLE-3**: the target's residual stream entering three of its layers
-//!   (`eagle_aux_hidden_state_layer_ids`, by default 2, L/2 and L − 3; L is the stream after
-//!   the last layer) side by side, projected by `fc` (`[h, 3h]`). The projection is computed
+//!   (`eagle_aux_hidden_state_layer_ids`, by default 2, L/2 and L − 3 of its L) side by side, projected by `fc` (`[h, 3h]`). The projection is computed
 //!   in the target's own step ([`EagleHead::target_graph`]), so every hidden state the head
 //!   reads is `h` wide, the target's and its own alike. The layer norms the embedding
 //!   (`input_layernorm`) and the hidden state (`hidden_norm`) and attends over both side by
@@ -76,9 +75,8 @@ pub struct EagleHead {
     prefix: String,
     /// EAGLE-3: the target layers whose incoming residual streams `fc` reads, in order.
     pub aux_layers: Vec<usize>,
-    /// The target's hidden size and layer count.
+    /// The target's hidden size.
     target_hidden: usize,
-    target_layers: usize,
     /// EAGLE-3: the hidden state, not the state before its norm, is the layer's residual.
     pub norm_before_residual: bool,
     /// Rows of its vocabulary projection: the target's vocabulary for EAGLE, the draft
@@ -175,7 +173,6 @@ impl EagleHead {
             prefix,
             aux_layers: Vec::new(),
             target_hidden: target.hidden,
-            target_layers: target.layers,
             norm_before_residual: top.get("norm_before_residual").and_then(|v| v.as_bool()) == Some(true),
             draft_vocab: target.vocab_size,
             token_map: None,
@@ -260,7 +257,7 @@ impl EagleHead {
                     shape: [self.config.hidden, self.fc_input()],
                     dtype: crate::families::matrix_dtype(options.compute, storage),
                 };
-                with_aux_states(graph, naming, self.target_layers, &self.aux_layers, fc)
+                with_aux_states(graph, naming, &self.aux_layers, fc)
             }
         }
     }
@@ -400,9 +397,11 @@ fn aux_layers(
     let mut seen = ids.clone();
     seen.sort_unstable();
     seen.dedup();
-    if ids.is_empty() || seen.len() != ids.len() || ids.iter().any(|&id| id > layers) {
+    // A layer's id is the stream entering it, as vLLM reads them: the stream after the last
+    // layer is none of them.
+    if ids.is_empty() || seen.len() != ids.len() || ids.iter().any(|&id| id >= layers) {
         return Err(format!(
-            "`{KEY}` {ids:?} must be distinct layers of the target's 0..={layers}"
+            "`{KEY}` {ids:?} must be distinct layers of the target's 0..{layers}"
         ));
     }
     Ok(ids)
@@ -416,14 +415,8 @@ struct FcWeight<'a> {
 }
 
 /// `graph` also outputting `fc` over its residual streams entering `layers` (the input of each
-/// one's attention norm; for the layer count, of the final norm), side by side, at every row.
-fn with_aux_states(
-    graph: &Graph,
-    naming: Naming,
-    layer_count: usize,
-    layers: &[usize],
-    fc: FcWeight<'_>,
-) -> Result<Graph> {
+/// one's attention norm), side by side, at every row.
+fn with_aux_states(graph: &Graph, naming: Naming, layers: &[usize], fc: FcWeight<'_>) -> Result<Graph> {
     let mut g = graph.clone();
     let err = |what: String| ModelError::TensorShape {
         name: "graph".into(),
@@ -432,7 +425,7 @@ fn with_aux_states(
     let streams = layers
         .iter()
         .map(|&layer| {
-            stream_entering(&g, naming, layer_count, layer)
+            stream_entering(&g, naming, layer)
                 .ok_or_else(|| err(format!("has no residual stream entering layer {layer}")))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -449,24 +442,15 @@ fn with_aux_states(
     Ok(g)
 }
 
-/// The residual stream entering decoder layer `layer` of a graph of `layer_count` layers
-/// lowered with `naming`: what its attention norm reads (for `layer_count`, what the final norm
-/// reads, at every row).
-fn stream_entering(g: &Graph, naming: Naming, layer_count: usize, layer: usize) -> Option<ir::NodeId> {
-    let reads_weight = |node: &ir::Node, name: &str| {
-        matches!(node.op, Op::RmsNorm { .. })
-            && matches!(&g.node(node.inputs[1]).op, Op::Weight { name: w } if w == name)
-    };
-    let norm_name = match layer == layer_count {
-        true => naming.output_norm(),
-        false => naming.layer(layer, crate::families::LayerTensor::AttnNorm),
-    };
-    let norm = g.nodes().iter().find(|n| reads_weight(n, &norm_name))?;
-    let x = norm.inputs[0];
-    Some(match g.node(x).op {
-        Op::LastToken => g.node(x).inputs[0],
-        _ => x,
-    })
+/// The residual stream entering decoder layer `layer` of a graph lowered with `naming`: what
+/// its attention norm reads, at every row.
+fn stream_entering(g: &Graph, naming: Naming, layer: usize) -> Option<ir::NodeId> {
+    let norm_name = naming.layer(layer, crate::families::LayerTensor::AttnNorm);
+    let norm = g.nodes().iter().find(|n| {
+        matches!(n.op, Op::RmsNorm { .. })
+            && matches!(&g.node(n.inputs[1]).op, Op::Weight { name } if *name == norm_name)
+    })?;
+    Some(norm.inputs[0])
 }
 
 /// A target's tensors and an EAGLE head's (named under [`HEAD_PREFIX`]) as one source.

@@ -15,14 +15,15 @@
 //!                                              # loads (fp8 only; vLLM's `--quantization`)
 //!
 //! [speculative]                                # optional: speculative decoding in `bbc serve`
-//! method = "ngram"                             # prompt lookup, "draft_model", or "mtp" (the
-//!                                              # checkpoint's multi-token prediction layers)
+//! method = "ngram"                             # prompt lookup, "draft_model", "mtp" (the
+//!                                              # checkpoint's multi-token prediction layers),
+//!                                              # or "eagle" / "eagle3" (an EAGLE head)
 //! num_speculative_tokens = 4                   # drafted tokens a step at most
 //! prompt_lookup_min = 2                        # optional (ngram): shortest match (default 2)
 //! prompt_lookup_max = 4                        # optional (ngram): longest match (default 4)
 //! # model = "draft.gguf"                       # draft_model: weights (relative to this file),
 //!                                              # a model.toml or a model name, sharing the
-//!                                              # tokenizer
+//!                                              # tokenizer; eagle, eagle3: the head's directory
 //! ```
 //!
 //! An unknown section or key is an error, so a typo never passes silently.
@@ -59,6 +60,12 @@ pub enum Speculative {
     DraftModel(DraftModelSpec),
     /// The model's own multi-token prediction layers, `tokens` a step.
     Mtp { tokens: usize },
+    /// An EAGLE head in a directory of its own, `tokens` a step.
+    Eagle {
+        method: crate::eagle::EagleMethod,
+        dir: PathBuf,
+        tokens: usize,
+    },
 }
 
 /// Drafting with a draft model, as `[speculative]` asks for it.
@@ -215,9 +222,32 @@ impl ModelSpec {
                     tokens: s.num_speculative_tokens,
                 })
             }
+            Some(s) if crate::eagle::EagleMethod::parse(&s.method).is_some() => {
+                let method = crate::eagle::EagleMethod::parse(&s.method).expect("an EAGLE method");
+                if s.prompt_lookup_min.is_some() || s.prompt_lookup_max.is_some() {
+                    return Err(bad(format!(
+                        "speculative.prompt_lookup_min/max are the ngram method's, not {}'s",
+                        s.method
+                    )));
+                }
+                let model = s.model.ok_or_else(|| {
+                    bad(format!(
+                        "speculative.method `{}` needs speculative.model, the head's directory",
+                        s.method
+                    ))
+                })?;
+                if s.num_speculative_tokens == 0 {
+                    return Err(bad("speculative.num_speculative_tokens must be at least 1".into()));
+                }
+                Some(Speculative::Eagle {
+                    method,
+                    dir: base.join(model),
+                    tokens: s.num_speculative_tokens,
+                })
+            }
             Some(s) => {
                 return Err(bad(format!(
-                    "speculative.method `{}` is not one of: ngram, draft_model, mtp",
+                    "speculative.method `{}` is not one of: ngram, draft_model, mtp, eagle, eagle3",
                     s.method
                 )))
             }
@@ -341,6 +371,34 @@ mod tests {
         ] {
             let err = parse(&text).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_eagle_head_is_read_and_checked() {
+        use crate::eagle::EagleMethod;
+        for (name, method) in [("eagle", EagleMethod::Eagle), ("eagle3", EagleMethod::Eagle3)] {
+            let base =
+                format!("[model]\nweights = \"w\"\n[speculative]\nmethod = \"{name}\"\nnum_speculative_tokens = 3\n");
+            assert_eq!(
+                parse(&format!("{base}model = \"heads/e3\"\n")).unwrap().speculative,
+                Some(Speculative::Eagle {
+                    method,
+                    dir: PathBuf::from("/m/heads/e3"),
+                    tokens: 3
+                })
+            );
+            for (text, needle) in [
+                (base.clone(), "needs speculative.model, the head's directory"),
+                (
+                    format!("{base}model = \"e\"\nprompt_lookup_min = 2\n"),
+                    "the ngram method's",
+                ),
+                (format!("{}model = \"e\"\n", base.replace("= 3", "= 0")), "at least 1"),
+            ] {
+                let err = parse(&text).unwrap_err().to_string();
+                assert!(err.contains(needle), "{name}: {err}");
+            }
         }
     }
 

@@ -190,12 +190,19 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;
-    let eagle = match args.speculative_config {
-        None => None,
-        Some(_) if target == Target::Cpu => bail!(
+    // An EAGLE head named by the flag, or by the model.toml (compiled for GPU targets only).
+    let eagle = match (args.speculative_config, &loaded.speculative) {
+        (Some(_), _) if target == Target::Cpu => bail!(
             "--speculative-config: EAGLE heads are compiled into GPU artifacts; on the CPU backend `bbc serve` reads the head as it is"
         ),
-        Some(json) => Some(eagle_head(&loaded, json)?),
+        (Some(json), _) => {
+            let (method, dir) = crate::serve::speculation::eagle_head(json)?;
+            Some(eagle_head(&loaded, method, Path::new(&dir))?)
+        }
+        (None, Some(models::Speculative::Eagle { method, dir, .. })) if target != Target::Cpu => {
+            Some(eagle_head(&loaded, *method, dir)?)
+        }
+        _ => None,
     };
     let stages = passes::optimize(&loaded.graph, model_ref::cost_model(target), args.emit_after)?;
     for stage in &stages {
@@ -359,19 +366,24 @@ fn draft_plan_graph(graph: &ir::Graph, target: Target, draft_head: DraftHead, hi
     })
 }
 
-/// The EAGLE head `json` names, read against `loaded`'s model, which must have weights of its
-/// own (a head drafts for the model it was trained with, not for random weights).
-fn eagle_head(loaded: &model_ref::Loaded, json: &str) -> Result<models::eagle::EagleHead> {
-    let (method, dir) = crate::serve::speculation::eagle_head(json)?;
+/// The EAGLE head in `dir` read as `method` against `loaded`'s model, which must have weights
+/// of its own (a head drafts for the model it was trained with, not for random weights).
+fn eagle_head(
+    loaded: &model_ref::Loaded,
+    method: models::eagle::EagleMethod,
+    dir: &Path,
+) -> Result<models::eagle::EagleHead> {
     let name = method.name();
     if loaded.model.spec.random_weights.is_some() {
         bail!("method `{name}`: an EAGLE head drafts for the weights it was trained with; this model's are random");
     }
-    let path = Path::new(&dir);
-    if !path.is_dir() {
-        bail!("method `{name}`: `model` must be the head's directory (config.json and safetensors), not {dir}");
+    if !dir.is_dir() {
+        bail!(
+            "method `{name}`: `model` must be the head's directory (config.json and safetensors), not {}",
+            dir.display()
+        );
     }
-    models::eagle::EagleHead::open(path, method, &loaded.model.config).with_context(|| format!("method `{name}`"))
+    models::eagle::EagleHead::open(dir, method, &loaded.model.config).with_context(|| format!("method `{name}`"))
 }
 
 /// `head`'s draft step, fused for `target`, as [`mtp_head`] compiles the checkpoint's own.

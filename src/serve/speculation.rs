@@ -90,15 +90,25 @@ impl SpeculationFlags {
             Some(Speculative::Ngram(spec)) => (Some(*spec), None, None),
             Some(Speculative::DraftModel(spec)) => (None, Some(spec), None),
             Some(Speculative::Mtp { tokens }) => (None, None, Some(*tokens)),
-            None => (None, None, None),
+            Some(Speculative::Eagle { .. }) | None => (None, None, None),
         };
-        if let Some((method, model)) = &self.eagle {
+        let other_flags = self.model.is_some() || self.ngram.is_some() || self.mtp;
+        let eagle = match (&self.eagle, &loaded.speculative) {
+            (Some((method, model)), _) => Some((*method, model.clone(), self.tokens)),
+            (None, Some(Speculative::Eagle { method, dir, tokens })) if !other_flags => Some((
+                *method,
+                dir.to_string_lossy().into_owned(),
+                Some(self.tokens.unwrap_or(*tokens)),
+            )),
+            _ => None,
+        };
+        if let Some((method, model, tokens)) = eagle {
             let config = NgramConfig {
-                tokens: self.tokens.context("EAGLE heads need `num_speculative_tokens`")?,
+                tokens: tokens.context("EAGLE heads need `num_speculative_tokens`")?,
                 min: DEFAULT_LOOKUP_MIN,
                 max: DEFAULT_LOOKUP_MAX,
             };
-            return Ok((config, Drafting::Eagle(*method, model.clone())));
+            return Ok((config, Drafting::Eagle(method, model)));
         }
         let other_flags = self.model.is_some() || self.ngram.is_some();
         let mtp = match (self.mtp, toml_mtp) {
