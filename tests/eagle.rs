@@ -715,9 +715,10 @@ fn an_artifact_carries_its_eagle_heads_plan() {
 }
 
 /// A head that is not what its method reads is refused naming what is wrong: a tensor missing
-/// (`d2t`, a norm), `d2t` sending an id past the target's vocabulary, a tensor of another
-/// shape, two decoder layers, a layer of another kind, aux layers the target has not, and the
-/// speculators options that change what the head computes.
+/// (`d2t`, a norm) or one its graphs would not read (an attention bias), `d2t` sending an id
+/// past the target's vocabulary, a tensor of another shape, two decoder layers, a layer of
+/// another kind, aux layers the target has not, and the speculators options that change what
+/// the head computes.
 #[test]
 fn a_malformed_eagle_head_is_refused_by_name() {
     let model = llama();
@@ -820,4 +821,110 @@ fn a_malformed_eagle_head_is_refused_by_name() {
         };
         assert!(err.contains(needle), "{what}: {err}");
     }
+    // A tensor its graphs would not read (an attention bias) is refused; the input norm an
+    // EAGLE-1 head's first layer skips, as its authors' files keep it, is not.
+    let bias = with_extra_vector(scratch.path(), "eagle3", "midlayer.self_attn.q_proj.bias", 64);
+    let err = EagleHead::open(&bias, EagleMethod::Eagle3, &model.config)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("its `midlayer.self_attn.q_proj.bias` is no tensor of the eagle3 head bbc computes"),
+        "{err}"
+    );
+    let skipped = with_extra_vector(scratch.path(), "eagle", "layers.0.input_layernorm.weight", 64);
+    let head = open_head(&model, &skipped, EagleMethod::Eagle);
+    let graph = head
+        .lower(&model.config, &model.weights, options(&model, LogitsFor::LastToken))
+        .unwrap();
+    assert!(!graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(&n.op, ir::Op::Weight { name } if name.contains("input_layernorm"))));
+}
+
+/// A copy of fixture head `fixture` in a new directory under `root`, with a vector `name` of
+/// `len` zeros added to its tensors.
+fn with_extra_vector(root: &Path, fixture: &str, name: &str, len: usize) -> std::path::PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    changed_head(fixture, &dir, |_, _, _| true);
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let zeros: Vec<u8> = vec![0; len * 4];
+    let mut views = file.tensors();
+    views.push((
+        name.to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![len], &zeros).unwrap(),
+    ));
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    dir
+}
+
+/// A random EAGLE-3 head (draft vocabulary of 1 000 ids, every 49th of the target's) for
+/// SmolLM2 as its GGUF file holds it (llama.cpp's names: the aux layers' streams read at its
+/// `blk.N.attn_norm`, its `token_embd` shared): drafting with it changes no token, greedy or
+/// sampled, with preemption and prefix-cache hits.
+#[test]
+fn an_eagle_head_drafts_for_a_gguf_target() {
+    let model = Model::open(ModelSpec::for_weights(&common::real_model("smollm2"))).unwrap();
+    let c = &model.config;
+    assert!(model.weights.contains("token_embd.weight"), "a GGUF file's names");
+    let (h, q, kv, ffn, draft_vocab) = (
+        c.hidden,
+        c.heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+        c.intermediate,
+        1000,
+    );
+    let scratch = common::scratch_dir("bbc-eagle-gguf-");
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: &str, shape: Vec<usize>, scale: f32, offset: f32| {
+        let n: usize = shape.iter().product();
+        let values = common::drafting::noise(tensors.len() as u64, n, scale);
+        let bytes = values.iter().flat_map(|v| (v + offset).to_le_bytes()).collect();
+        tensors.push((name.to_string(), shape, bytes));
+    };
+    for norm in ["input_layernorm", "hidden_norm", "post_attention_layernorm"] {
+        add(&format!("midlayer.{norm}.weight"), vec![h], 0.1, 1.0);
+    }
+    add("midlayer.self_attn.q_proj.weight", vec![q, 2 * h], 0.05, 0.0);
+    add("midlayer.self_attn.k_proj.weight", vec![kv, 2 * h], 0.05, 0.0);
+    add("midlayer.self_attn.v_proj.weight", vec![kv, 2 * h], 0.05, 0.0);
+    add("midlayer.self_attn.o_proj.weight", vec![h, q], 0.05, 0.0);
+    add("midlayer.mlp.gate_proj.weight", vec![ffn, h], 0.05, 0.0);
+    add("midlayer.mlp.up_proj.weight", vec![ffn, h], 0.05, 0.0);
+    add("midlayer.mlp.down_proj.weight", vec![h, ffn], 0.05, 0.0);
+    add("fc.weight", vec![h, 3 * h], 0.05, 0.0);
+    add("norm.weight", vec![h], 0.1, 1.0);
+    add("lm_head.weight", vec![draft_vocab, h], 0.05, 0.0);
+    let d2t: Vec<u8> = (0..draft_vocab as i64).flat_map(|d| (48 * d).to_le_bytes()).collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    views.push((
+        "d2t".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![draft_vocab], &d2t).unwrap(),
+    ));
+    let dir = scratch.path();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let head_config = serde_json::json!({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": ffn, "num_hidden_layers": 1, "num_attention_heads": c.heads,
+        "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "rms_norm_eps": 1e-5,
+        "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "draft_vocab_size": draft_vocab,
+    });
+    std::fs::write(dir.join("config.json"), head_config.to_string()).unwrap();
+    let head = open_head(&model, dir, EagleMethod::Eagle3);
+    assert_eq!(head.aux_layers, vec![2, c.layers / 2, c.layers - 3]);
+    let requests = requests_of_lengths(c.vocab_size as u32, true, [9, 4, 14, 6]);
+    let plain = serve(&model, None, config(9, 0), &requests);
+    let drafting = serve(&model, Some(&head), config(9, 3), &requests);
+    assert_eq!(drafting.tokens, plain.tokens);
+    assert!(drafting.drafted > 0 && drafting.prefix_hits > 0 && drafting.cache_full);
 }

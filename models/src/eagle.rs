@@ -338,8 +338,30 @@ impl EagleHead {
         if let Some(embedding) = self.own_embedding() {
             expected.push((embedding, vec![target.vocab_size, c.hidden]));
         }
-        if let Some(bias) = self.fc_bias() {
-            expected.push((bias, vec![c.hidden]));
+        match (self.method, self.fc_bias()) {
+            (EagleMethod::Eagle, Some(bias)) => expected.push((bias, vec![c.hidden])),
+            (EagleMethod::Eagle3, Some(_)) => return Err("its `fc` has a bias, which EAGLE-3's has not".into()),
+            (_, None) => {}
+        }
+        // Every tensor of the files is one the graphs read: else it is part of a head they would
+        // compute otherwise (attention biases, a second layer, …). EAGLE-1 files keep the input
+        // norm their first layer skips.
+        let WeightSource::Safetensors(dir) = &self.weights else {
+            unreachable!("opened from a directory")
+        };
+        let skipped = match self.method {
+            EagleMethod::Eagle => Some(format!("{}input_layernorm.weight", self.layer)),
+            EagleMethod::Eagle3 => None,
+        };
+        let read = |name: &str| {
+            skipped.as_deref() == Some(name) || expected.iter().any(|(e, _)| &e[HEAD_PREFIX.len()..] == name)
+        };
+        if let Some((name, _, _)) = dir.listing().find(|(name, _, _)| !read(name)) {
+            return Err(format!(
+                "its `{name}` is no tensor of the {} head bbc computes (attention biases, more layers and \
+                 other variants are not read)",
+                self.method.name()
+            ));
         }
         for (name, shape) in expected {
             let file_name = &name[HEAD_PREFIX.len()..];
