@@ -9,13 +9,14 @@
 mod common;
 
 use common::drafting::{
-    adds_to_the_residual, bigram, config, f32_tensor, requests, requests_of_lengths, serve_on, Served,
+    adds_to_the_residual, assert_refused_drafts_kept_the_tokens, bigram, config, f32_tensor, in_memory, requests,
+    requests_of_lengths, segment, serve_on, Served,
 };
 use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 use ir::reference::Interpreter;
 use models::eagle::{EagleHead, EagleMethod};
-use models::weights::{DequantizedWeights, MemoryTensors, Tensors};
-use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
+use models::weights::DequantizedWeights;
+use models::{LogitsFor, LowerOptions, Model, ModelSpec, WeightSource};
 use runtime::emulator_device::EmulatorBackend;
 use runtime::serving::{DraftRequest, Drafter, MtpDrafter, PagedBackend, SchedulerConfig, SeqId};
 use runtime::{CpuBackend, SamplingParams};
@@ -278,25 +279,6 @@ fn the_drafter_proposes_the_references_drafts() {
     }
 }
 
-/// One sequence's step of `ids` from `start` with a hidden state per id (none for a target).
-fn segment<'a>(
-    table: &'a [runtime::kv::BlockId],
-    start: usize,
-    ids: &'a [u32],
-    hidden_states: &'a [f32],
-) -> runtime::kv::Segment<'a> {
-    runtime::kv::Segment {
-        table,
-        start,
-        ids,
-        state_slot: 0,
-        sampled_rows: 1,
-        drafts: 0,
-        snapshots: runtime::kv::StateSnapshots::NONE,
-        hidden_states,
-    }
-}
-
 /// The tiny Llama whose next token is a function of its last ([`bigram`]), its final norm the
 /// identity, so that its greedy choice after token `t` is the row of its (tied) head that best
 /// matches `t`'s embedding.
@@ -307,23 +289,6 @@ fn bigram_llama() -> Model {
     };
     let h = model.config.hidden;
     tensors.insert("model.norm.weight".into(), f32_tensor(&[h], &vec![1.0; h]));
-    model
-}
-
-fn in_memory(mut model: Model) -> Model {
-    let mut tensors = MemoryTensors::new();
-    for name in model.weights.names() {
-        let view = model.weights.tensor(name).unwrap();
-        tensors.insert(
-            name.to_string(),
-            MemoryTensor {
-                shape: view.shape.to_vec(),
-                dtype: view.dtype,
-                bytes: view.bytes.to_vec(),
-            },
-        );
-    }
-    model.weights = WeightSource::Memory(tensors);
     model
 }
 
@@ -398,11 +363,7 @@ fn refused_eagle_drafts_change_no_token() {
             let head = fixture_head(&model, name, method);
             let what = format!("{name}, {kv_blocks} blocks");
             let drafting = serve(&model, Some(&head), config(kv_blocks, 3), &requests);
-            assert_eq!(drafting.tokens, plain.tokens, "{what}");
-            assert!(drafting.drafted > 0, "{what}: no drafts");
-            assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
-            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
-            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+            assert_refused_drafts_kept_the_tokens(&drafting, &plain, kv_blocks == 9, &what);
         }
     }
 }

@@ -10,10 +10,10 @@ mod common;
 use codegen::gpu;
 use codegen::Target;
 use common::drafting::{
-    adds_to_the_residual, bigram, config, f32_tensor, noise, requests, requests_of_lengths, serve_on, Served,
+    adds_to_the_residual, assert_refused_drafts_kept_the_tokens, bigram, config, f32_tensor, in_memory, noise,
+    requests, requests_of_lengths, segment, serve_on, Served,
 };
 use ir::reference::Interpreter;
-use models::weights::{MemoryTensors, Tensors};
 use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
 use runtime::emulator_device::EmulatorBackend;
 use runtime::plan_exec::PlanExecutor;
@@ -73,22 +73,14 @@ fn mtp_names(config: &models::ModelConfig) -> MtpNames {
 /// The tiny `family` model with one MTP layer drawn as `head` in its checkpoints' layout, its
 /// weights in memory.
 fn with_mtp(family: &str, head: Head) -> Model {
-    let mut model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+    let mut model =
+        in_memory(Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap());
     let c = &model.config;
     let h = c.hidden;
     let names = mtp_names(c);
-    let mut tensors = MemoryTensors::new();
-    for name in model.weights.names() {
-        let view = model.weights.tensor(name).unwrap();
-        tensors.insert(
-            name.to_string(),
-            MemoryTensor {
-                shape: view.shape.to_vec(),
-                dtype: view.dtype,
-                bytes: view.bytes.to_vec(),
-            },
-        );
-    }
+    let WeightSource::Memory(tensors) = &mut model.weights else {
+        unreachable!("in memory")
+    };
     // The MTP layer has the shapes of the target's last full-attention layer.
     let full = (0..c.layers)
         .rfind(|&i| c.layer_attention[i] == models::LayerAttention::Full)
@@ -128,7 +120,6 @@ fn with_mtp(family: &str, head: Head) -> Model {
         };
         tensors.insert(norm.clone(), t);
     }
-    model.weights = WeightSource::Memory(tensors);
     model.config.mtp_layers = 1;
     model
 }
@@ -230,11 +221,7 @@ fn refused_mtp_drafts_change_no_token() {
             for head in DRAFT_HEADS {
                 let what = format!("{family}, {kv_blocks} blocks, {head:?}");
                 let drafting = serve(&model, Some(head), config(kv_blocks, 3), &requests, 24);
-                assert_eq!(drafting.tokens, plain.tokens, "{what}");
-                assert!(drafting.drafted > 0, "{what}: no drafts");
-                assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
-                assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
-                assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+                assert_refused_drafts_kept_the_tokens(&drafting, &plain, kv_blocks == 9, &what);
             }
         }
     }
@@ -416,25 +403,6 @@ fn backend_runs_as_the_reference_runs_it<B: PagedBackend>(
     let short = segment(&table, 0, &[1, 2], &short_states);
     let refused = backend.step_batch(&mut pages, &[short]).unwrap_err().to_string();
     assert!(refused.contains("hidden-state values"), "{refused}");
-}
-
-/// One sequence's step of `ids` from `start` with a hidden state per id.
-fn segment<'a>(
-    table: &'a [runtime::kv::BlockId],
-    start: usize,
-    ids: &'a [u32],
-    hidden_states: &'a [f32],
-) -> runtime::kv::Segment<'a> {
-    runtime::kv::Segment {
-        table,
-        start,
-        ids,
-        state_slot: 0,
-        sampled_rows: 1,
-        drafts: 0,
-        snapshots: runtime::kv::StateSnapshots::NONE,
-        hidden_states,
-    }
 }
 
 /// Lowering a head that is not there says so: a model without MTP layers, a family whose

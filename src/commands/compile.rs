@@ -322,15 +322,7 @@ fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -
     if model.config.mtp_layers == 0 || !model.config.family.lowers_mtp() {
         return Ok(None);
     }
-    let logits = match draft_head {
-        DraftHead::Full => models::LogitsFor::LastToken,
-        DraftHead::Shortlist => models::LogitsFor::GreedyToken,
-    };
-    let options = models::LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    };
+    let options = draft_options(model, draft_head);
     let graph = match models::lower_mtp(&model.config, &model.weights, options) {
         Ok(graph) => graph,
         Err(e) => {
@@ -339,6 +331,20 @@ fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -
         }
     };
     Ok(Some(draft_plan_graph(&graph, target, draft_head, model.config.hidden)?))
+}
+
+/// How a draft head's graph is lowered for its plan: its logits for the full head's argmax, or
+/// its greedy token for the shortlist.
+fn draft_options(model: &models::Model, draft_head: DraftHead) -> models::LowerOptions {
+    let logits = match draft_head {
+        DraftHead::Full => models::LogitsFor::LastToken,
+        DraftHead::Shortlist => models::LogitsFor::GreedyToken,
+    };
+    models::LowerOptions {
+        logits,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    }
 }
 
 /// A draft head's `graph` fused for `target`: with the full head, its argmax beside its logits
@@ -394,15 +400,7 @@ fn eagle_head_graph(
     draft_head: DraftHead,
 ) -> Result<ir::Graph> {
     let model = &loaded.model;
-    let logits = match draft_head {
-        DraftHead::Full => models::LogitsFor::LastToken,
-        DraftHead::Shortlist => models::LogitsFor::GreedyToken,
-    };
-    let options = models::LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    };
+    let options = draft_options(model, draft_head);
     let graph = head.lower(&model.config, &model.weights, options)?;
     draft_plan_graph(&graph, target, draft_head, head.config.hidden)
 }

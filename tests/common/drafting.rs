@@ -2,7 +2,7 @@
 //! that proposes drafts as a grammar proposes its forced text; targets whose next token is a
 //! function of their last, and requests served through a drafting engine.
 
-use models::weights::MemoryTensor;
+use models::weights::{MemoryTensor, MemoryTensors, Tensors};
 use models::{Model, WeightSource};
 use runtime::serving::{
     DraftRequest, Drafter, NgramConfig, PagedBackend, SchedulerConfig, SeqId, ServingEngine, StepOutput,
@@ -227,4 +227,51 @@ pub fn requests_of_lengths(vocab: u32, sampled: bool, lengths: [u32; 4]) -> Vec<
         .collect();
     first.extend(later);
     first
+}
+
+/// `drafting` served `plain`'s tokens, drafts were made and not every one accepted, the prefix
+/// cache served prompts, and the cache filled (preemption) exactly where `small_cache` says.
+pub fn assert_refused_drafts_kept_the_tokens(drafting: &Served, plain: &Served, small_cache: bool, what: &str) {
+    assert_eq!(drafting.tokens, plain.tokens, "{what}");
+    assert!(drafting.drafted > 0, "{what}: no drafts");
+    assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
+    assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+    assert_eq!(drafting.cache_full, small_cache, "{what}");
+}
+
+/// One sequence's step of `ids` from `start` with a hidden state per id (none for a target).
+pub fn segment<'a>(
+    table: &'a [runtime::kv::BlockId],
+    start: usize,
+    ids: &'a [u32],
+    hidden_states: &'a [f32],
+) -> runtime::kv::Segment<'a> {
+    runtime::kv::Segment {
+        table,
+        start,
+        ids,
+        state_slot: 0,
+        sampled_rows: 1,
+        drafts: 0,
+        snapshots: runtime::kv::StateSnapshots::NONE,
+        hidden_states,
+    }
+}
+
+/// `model` with its weights copied into memory, to be changed there.
+pub fn in_memory(mut model: Model) -> Model {
+    let mut tensors = MemoryTensors::new();
+    for name in model.weights.names() {
+        let view = model.weights.tensor(name).unwrap();
+        tensors.insert(
+            name.to_string(),
+            MemoryTensor {
+                shape: view.shape.to_vec(),
+                dtype: view.dtype,
+                bytes: view.bytes.to_vec(),
+            },
+        );
+    }
+    model.weights = WeightSource::Memory(tensors);
+    model
 }

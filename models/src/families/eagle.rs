@@ -4,7 +4,7 @@ use super::{graph_error, Builder, Catalog, LowerOptions, Naming};
 use crate::config::ModelConfig;
 use crate::eagle::{EagleHead, EagleMethod, HeadWeights};
 use crate::error::Result;
-use ir::{GluAct, Graph, InputKind, Op, RopeLayout, RopeSpec};
+use ir::{GluAct, Graph, InputKind, Op, RopeLayout};
 
 /// The graph of one draft step of `head` drafting for `target` (see [`EagleHead::lower`]).
 pub(crate) fn lower_eagle(
@@ -52,15 +52,8 @@ pub(crate) fn lower_eagle(
     let q = b.matmul(attention_input, wq)?;
     let k = b.matmul(attention_input, wk)?;
     let v = b.matmul(attention_input, wv)?;
-    let rope = RopeSpec {
-        heads: c.heads,
-        head_dim: c.head_dim,
-        rotary_dim: c.head_dim,
-        theta: c.rope_theta,
-        position_scale: c.rope_scale,
-        layout: RopeLayout::RotateHalf,
-        scaling: c.rope_scaling,
-    };
+    // The head's own RoPE (its config's θ and scaling), over HF's layout.
+    let rope = super::llama::rope(c, RopeLayout::RotateHalf);
     let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, 0);
     let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let wo = b.matrix(&layer("self_attn.o_proj.weight"), c.hidden, q_dim)?;

@@ -10,6 +10,19 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use ir::{GluAct, RopeLayout, RopeSpec};
 
+/// RoPE over every dim of each head, at the config's θ and scaling, in `layout`.
+pub(super) fn rope(c: &ModelConfig, layout: RopeLayout) -> RopeSpec {
+    RopeSpec {
+        heads: c.heads,
+        head_dim: c.head_dim,
+        rotary_dim: c.head_dim,
+        theta: c.rope_theta,
+        position_scale: c.rope_scale,
+        layout,
+        scaling: c.rope_scaling,
+    }
+}
+
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let (_, positions, mut x) = b.token_embeddings(c)?;
     let layout = match b.naming {
@@ -40,15 +53,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             b.matrix(&n_v, kv_dim, c.hidden)?,
         );
         let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
-        let rope = RopeSpec {
-            heads: c.heads,
-            head_dim: c.head_dim,
-            rotary_dim: c.head_dim,
-            theta: c.rope_theta,
-            position_scale: c.rope_scale,
-            layout,
-            scaling: c.rope_scaling,
-        };
+        let rope = rope(c, layout);
         let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, i);
         let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
         let wo = b.matrix(&n_o, c.hidden, q_dim)?;
