@@ -101,6 +101,34 @@ fn safetensors_header_lying_about_sizes_is_named() {
     }
 }
 
+/// A directory whose weights are PyTorch pickles (as some checkpoints and EAGLE heads ship
+/// them) says so and how to convert them, as a model and as an EAGLE head; one with no weights
+/// at all says what it lacks.
+#[test]
+fn pickled_weights_are_named_with_their_conversion() {
+    let scratch = common::scratch_dir("bbc-malformed-pickle-");
+    let dir = scratch.path();
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), dir.join("config.json")).unwrap();
+    let err = open_error(dir);
+    assert!(err.contains("no model.safetensors"), "{err}");
+    std::fs::write(dir.join("pytorch_model.bin"), b"PK\x03\x04").unwrap();
+    let err = open_error(dir);
+    assert!(
+        err.contains("PyTorch pickles") && err.contains("safetensors.torch import save_file"),
+        "{err}"
+    );
+    let head = dir.join("head");
+    std::fs::create_dir(&head).unwrap();
+    std::fs::copy(common::fixture("eagle/eagle3/config.json"), head.join("config.json")).unwrap();
+    std::fs::write(head.join("pytorch_model.bin"), b"PK\x03\x04").unwrap();
+    let target = models::Model::open(models::ModelSpec::for_weights(&common::fixture("hf-tiny/llama"))).unwrap();
+    let err = models::eagle::EagleHead::open(&head, models::eagle::EagleMethod::Eagle3, &target.config)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("PyTorch pickles"), "{err}");
+}
+
 /// A GLM-4.5 MoE `config.json` whose routing cannot work, or whose experts do not match the
 /// weights, is refused naming the setting or the tensor that disagrees.
 #[test]

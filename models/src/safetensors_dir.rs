@@ -501,6 +501,20 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if single.exists() {
         return Ok(vec![single]);
     }
+    // PyTorch's pickles can run code as they load: converted once by the user, not read here.
+    if ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+        .iter()
+        .any(|f| dir.join(f).exists())
+    {
+        return Err(ModelError::Config {
+            path: dir.to_path_buf(),
+            what: "its weights are PyTorch pickles (pytorch_model.bin), which bbc does not read (loading them can \
+                   run code); convert them to safetensors first, e.g. `python -c \"import torch; from \
+                   safetensors.torch import save_file; save_file(torch.load('pytorch_model.bin'), \
+                   'model.safetensors')\"`"
+                .into(),
+        });
+    }
     Err(ModelError::Config {
         path: dir.to_path_buf(),
         what: "no model.safetensors or model.safetensors.index.json in this directory".into(),
