@@ -889,3 +889,16 @@ fn an_eagle_head_drafts_for_a_gguf_target() {
     assert_eq!(drafting.tokens, plain.tokens);
     assert!(drafting.drafted > 0 && drafting.prefix_hits > 0 && drafting.cache_full);
 }
+
+/// `bbc gpu-check`'s lockstep of the EAGLE-3 fixture head's plans and its target's serving plan
+/// (which computes the head's states) runs its steps end to end; with the emulator standing in
+/// for the GPU every kernel agrees exactly.
+#[test]
+fn the_gpu_checks_eagle_lockstep_runs_on_the_emulator() {
+    let fixtures = common::fixture("hf-tiny");
+    let worst = bbc::gpu_check::kernels::eagle_kernel_errors(codegen::Target::H200, &fixtures, |kernels| {
+        Ok(runtime::emulator_device::EmulatorDevice::new(kernels.to_vec()))
+    })
+    .unwrap();
+    assert_eq!(worst, 0.0);
+}

@@ -1,7 +1,8 @@
 //! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4 (also
 //! with KV-shared layers and with its MoE block), Qwen3.5 (also its multi-token prediction
 //! head's plans), GLM-4.5 and Qwen3-Next plans in lockstep with the emulator (the Llama's and
-//! Gemma 3's serving plans too, prompts attending on the tensor cores over the paged pool),
+//! Gemma 3's serving plans too, prompts attending on the tensor cores over the paged pool; the
+//! Llama's also drafted for by an EAGLE-3 head),
 //! batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time, and requests served from snapshots of recurrent
 //! states kept on the device, or speculating with their states rewound past refused drafts,
@@ -107,6 +108,9 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     worst = worst.max(mtp_kernel_errors(target, fixtures, |kernels| {
         super::compile_device(kernels, arch)
     })?);
+    worst = worst.max(eagle_kernel_errors(target, fixtures, |kernels| {
+        super::compile_device(kernels, arch)
+    })?);
     // Half experts multiplied as stored (the tensor cores' MoE kernels over halves).
     for family in ["glm4_moe", "gemma4_moe"] {
         let mut spec = ModelSpec::for_weights(&fixtures.join(family));
@@ -175,15 +179,25 @@ pub fn batched_kernel_errors<D: PlanDevice>(
     (target, chosen): (Target, gpu::PlanKernels),
     mut device: impl FnMut(&[Kernel]) -> Result<D>,
 ) -> Result<Vec<(String, usize, f64)>> {
-    use runtime::kv::{BlockId, Segment, StateSnapshots};
     let graph = model.lower(LogitsFor::LastToken)?;
+    batched_graph_errors(graph, &model.weights, (target, chosen), &mut device)
+}
+
+/// [`batched_kernel_errors`] of a lowered `graph` over `weights`.
+fn batched_graph_errors<D: PlanDevice>(
+    graph: ir::Graph,
+    weights: &dyn quant::tensor::Tensors,
+    (target, chosen): (Target, gpu::PlanKernels),
+    device: &mut impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<Vec<(String, usize, f64)>> {
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
     let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 16,
         sequences: 2,
     };
-    let exec = compared_serving_executor(graph, &model.weights, (target, cache, chosen), &mut device)?;
+    let exec = compared_serving_executor(graph, weights, (target, cache, chosen), device)?;
     // Each sequence's blocks, in reverse order.
     let tables: [Vec<BlockId>; 2] = [(0..4).rev().map(BlockId).collect(), (4..8).rev().map(BlockId).collect()];
     let prompts: [Vec<u32>; 2] = [
@@ -270,52 +284,106 @@ pub fn mtp_kernel_errors<D: PlanDevice>(
         ("qwen3_5 MTP head", argmax),
         ("qwen3_5 MTP head, 4-bit shortlist", shortlisted),
     ] {
-        let cache = gpu::BatchedCache {
-            blocks: 8,
-            block_size: 8,
-            sequences: 2,
-        };
-        let exec = compared_serving_executor(
-            graph,
-            &model.weights,
-            (target, cache, gpu::PlanKernels::default()),
-            &mut device,
-        )?;
-        let tables = [[0, 1, 2].map(runtime::kv::BlockId), [3, 4, 5].map(runtime::kv::BlockId)];
-        let mut seed = 11;
-        let mut starts = [0usize, 0];
-        for (step, lens) in [[11usize, 5], [1, 1], [1, 1], [1, 1]].into_iter().enumerate() {
-            let ids: Vec<Vec<u32>> = (0..2)
-                .map(|s| {
-                    (0..lens[s] as u32)
-                        .map(|j| (7 + 13 * j + 31 * step as u32 + s as u32) % 300)
-                        .collect()
-                })
-                .collect();
-            let states: Vec<Vec<f32>> = (0..2)
-                .map(|s| random_bf16_values(&mut seed, lens[s] * model.config.hidden, 2.0))
-                .collect();
-            let batch: Vec<runtime::kv::Segment> = (0..2)
-                .map(|s| runtime::kv::Segment {
-                    table: &tables[s],
-                    start: starts[s],
-                    ids: &ids[s],
-                    state_slot: s,
-                    sampled_rows: 1,
-                    drafts: 0,
-                    snapshots: runtime::kv::StateSnapshots::NONE,
-                    hidden_states: &states[s],
-                })
-                .collect();
-            exec.step_batch(&batch)?;
-            for (start, len) in starts.iter_mut().zip(lens) {
-                *start += len;
-            }
+        let head = (name, graph, model.config.hidden);
+        worst = worst.max(head_plan_errors(head, &model.weights, target, &mut device)?);
+    }
+    Ok(worst)
+}
+
+/// A draft head's batched plan `graph` (named `name`, reading states `hidden` wide) for
+/// `target` over `weights`, in lockstep on the device `device` makes for its kernels and on the
+/// emulator, over two sequences' catch-up step and three one-row drafting steps, each row
+/// reading a hidden state; prints each kernel's max relative error and returns the worst.
+fn head_plan_errors<D: PlanDevice>(
+    (name, graph, hidden): (&str, ir::Graph, usize),
+    weights: &dyn quant::tensor::Tensors,
+    target: Target,
+    device: &mut impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<f64> {
+    let cache = gpu::BatchedCache {
+        blocks: 8,
+        block_size: 8,
+        sequences: 2,
+    };
+    let exec = compared_serving_executor(graph, weights, (target, cache, gpu::PlanKernels::default()), device)?;
+    let tables = [[0, 1, 2].map(runtime::kv::BlockId), [3, 4, 5].map(runtime::kv::BlockId)];
+    let mut seed = 11;
+    let mut starts = [0usize, 0];
+    for (step, lens) in [[11usize, 5], [1, 1], [1, 1], [1, 1]].into_iter().enumerate() {
+        let ids: Vec<Vec<u32>> = (0..2)
+            .map(|s| {
+                (0..lens[s] as u32)
+                    .map(|j| (7 + 13 * j + 31 * step as u32 + s as u32) % 300)
+                    .collect()
+            })
+            .collect();
+        let states: Vec<Vec<f32>> = (0..2)
+            .map(|s| random_bf16_values(&mut seed, lens[s] * hidden, 2.0))
+            .collect();
+        let batch: Vec<runtime::kv::Segment> = (0..2)
+            .map(|s| runtime::kv::Segment {
+                table: &tables[s],
+                start: starts[s],
+                ids: &ids[s],
+                state_slot: s,
+                sampled_rows: 1,
+                drafts: 0,
+                snapshots: runtime::kv::StateSnapshots::NONE,
+                hidden_states: &states[s],
+            })
+            .collect();
+        exec.step_batch(&batch)?;
+        for (start, len) in starts.iter_mut().zip(lens) {
+            *start += len;
         }
-        for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
-            println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
-            worst = worst.max(error.relative);
-        }
+    }
+    let mut worst = 0f64;
+    for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
+        println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
+        worst = worst.max(error.relative);
+    }
+    Ok(worst)
+}
+
+/// The tiny Llama drafted for by the EAGLE-3 fixture head (`tests/fixtures/eagle/eagle3`,
+/// beside `fixtures`): the target's serving plan, which also outputs the head's states (`fc`
+/// over three layers' residual streams), over two prompts and three decode steps, and the
+/// head's plans (the argmax beside its logits, and the 4-bit shortlist) as
+/// [`head_plan_errors`] runs them, all in lockstep on the device `device` makes for their
+/// kernels and on the emulator; prints each kernel's max relative error and returns the worst.
+pub fn eagle_kernel_errors<D: PlanDevice>(
+    target: Target,
+    fixtures: &Path,
+    mut device: impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<f64> {
+    use models::eagle::{EagleHead, EagleMethod};
+    let model = Model::open(ModelSpec::for_weights(&fixtures.join("llama")))?;
+    let dir = fixtures.parent().unwrap_or(fixtures).join("eagle/eagle3");
+    let head = EagleHead::open(&dir, EagleMethod::Eagle3, &model.config)?;
+    let weights = head.weights_beside(&model.weights);
+    let options = |logits| models::LowerOptions {
+        logits,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    };
+    let serving = model.lower(LogitsFor::LastToken)?;
+    let serving = head.target_graph(&serving, &model.weights, options(LogitsFor::LastToken))?;
+    let mut worst = 0f64;
+    let chosen = (target, gpu::PlanKernels::default());
+    for (kernel, launches, error) in batched_graph_errors(serving, &weights, chosen, &mut device)? {
+        println!("| llama EAGLE-3 target | {kernel} | {launches} | {error:.2e} |");
+        worst = worst.max(error);
+    }
+    let cost = crate::model_ref::cost_model(target);
+    let lower = |logits| head.lower(&model.config, &model.weights, options(logits));
+    let argmax = models::with_greedy_token(&passes::optimized(&lower(LogitsFor::LastToken)?, cost)?)?;
+    let shortlisted = passes::optimized(&passes::shortlisted_draft_head(&lower(LogitsFor::GreedyToken)?)?, cost)?;
+    for (name, graph) in [
+        ("llama EAGLE-3 head", argmax),
+        ("llama EAGLE-3 head, 4-bit shortlist", shortlisted),
+    ] {
+        let plan = (name, graph, head.config.hidden);
+        worst = worst.max(head_plan_errors(plan, &weights, target, &mut device)?);
     }
     Ok(worst)
 }
