@@ -3,8 +3,9 @@
 //! its argmax against the 4-bit shortlist (a Q4_0 GEMV over every row, the best 64 picked in
 //! one pass over the scores, those 64 rescored with the bf16 head, the best of them); and the
 //! shortlist with its 64 picked by `top_k`'s rounds (one pass over the scores per candidate),
-//! the selection the one-pass sort replaced. At the heads of Llama 3 8B, Qwen3.5 27B and a
-//! 262 144-entry Gemma vocabulary, random weights made on the device. The candidates both
+//! the selection the one-pass sort replaced. At the heads of Llama 3 8B, Qwen3.5 27B, an
+//! EAGLE-3 head's 32 000-entry draft vocabulary for Llama 3 8B and a 262 144-entry Gemma
+//! vocabulary, random weights made on the device. The candidates both
 //! selections pick are checked against the host's `top_k` of the scores, read back.
 
 use anyhow::{anyhow, bail, Result};
@@ -29,8 +30,9 @@ pub struct Head {
     pub d: usize,
 }
 
-/// The heads the table times: two served shapes, and Gemma's 262 144 rows at Gemma 3 270M's
-/// width, where the head is most of a small drafter's step.
+/// The heads the table times: two served shapes, an EAGLE-3 head's draft vocabulary for Llama
+/// 3 8B (32 000 rows: what its drafts are scored over in place of the 128 256), and Gemma's
+/// 262 144 rows at Gemma 3 270M's width, where the head is most of a small drafter's step.
 pub fn heads() -> Vec<Head> {
     let of = |name, c: models::ModelConfig| Head {
         name,
@@ -40,6 +42,11 @@ pub fn heads() -> Vec<Head> {
     vec![
         of("Llama-3-8B", models::ModelConfig::llama3_8b()),
         of("Qwen3.5-27B", models::ModelConfig::qwen3_5_27b()),
+        Head {
+            name: "Llama-3-8B EAGLE-3 draft vocabulary",
+            vocab: 32_000,
+            d: models::ModelConfig::llama3_8b().hidden,
+        },
         Head {
             name: "Gemma 3 270M",
             vocab: 262_144,
