@@ -1085,7 +1085,8 @@ fn mtp_drafting_keeps_the_text_and_counts_drafts() {
 /// weights (its vocabulary widened to SmolLM2's tokenizer), drafted for by the fixture EAGLE-3
 /// head (its 200 draft ids mapped into the target's) and by the EAGLE-1 head, answers a greedy
 /// request as it does without drafting, whole and streamed, and the metrics count the drafts;
-/// a head that is not a directory, and a target of another family, are refused by name.
+/// a head that is not a directory, a target of another family, and a head given as the other
+/// method are refused by name.
 #[test]
 fn eagle_drafting_keeps_the_text_and_counts_drafts() {
     let scratch = common::scratch_dir("bbc-eagle-");
@@ -1137,6 +1138,11 @@ fn eagle_drafting_keeps_the_text_and_counts_drafts() {
             llama.as_str(),
             speculative("eagle", "eagle3"),
             "an EAGLE-3 head is method `eagle3`",
+        ),
+        (
+            llama.as_str(),
+            speculative("eagle3", "eagle"),
+            "an EAGLE-1 head is method `eagle`",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_bbc"))

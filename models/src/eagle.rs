@@ -179,6 +179,10 @@ impl EagleHead {
         };
         if method == EagleMethod::Eagle3 {
             head.aux_layers = aux_layers(top, target.layers).map_err(bad)?;
+        }
+        // A head of the other method says so before anything else it lacks.
+        head.check_fc_width().map_err(bad)?;
+        if method == EagleMethod::Eagle3 {
             head.read_token_map(target.vocab_size).map_err(bad)?;
         }
         head.check_shapes(target).map_err(bad)?;
@@ -289,13 +293,8 @@ impl EagleHead {
         Ok(())
     }
 
-    /// Every tensor the head's graphs read, with the shapes its config and the target's imply.
-    fn check_shapes(&self, target: &ModelConfig) -> std::result::Result<(), String> {
-        let c = &self.config;
-        let attention_input = match self.method {
-            EagleMethod::Eagle => c.hidden,
-            EagleMethod::Eagle3 => 2 * c.hidden,
-        };
+    /// `fc` reads as many columns as the method does over this target.
+    fn check_fc_width(&self) -> std::result::Result<(), String> {
         if let Some(cols) = self.fc_input_from_file() {
             if cols != self.fc_input() {
                 return Err(format!(
@@ -309,6 +308,16 @@ impl EagleHead {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Every tensor the head's graphs read, with the shapes its config and the target's imply.
+    fn check_shapes(&self, target: &ModelConfig) -> std::result::Result<(), String> {
+        let c = &self.config;
+        let attention_input = match self.method {
+            EagleMethod::Eagle => c.hidden,
+            EagleMethod::Eagle3 => 2 * c.hidden,
+        };
         let (q, kv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let mut expected: Vec<(String, Vec<usize>)> = vec![
             (self.tensor_name("fc.weight"), vec![c.hidden, self.fc_input()]),
