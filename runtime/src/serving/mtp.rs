@@ -1,6 +1,7 @@
-//! Drafting with the target's own multi-token prediction head (vLLM's `method: mtp`): a
-//! small graph that reads a token and the target's hidden state at the position before it
-//! and predicts the token after it, through the target's embedding and head.
+//! Drafting with the target's own multi-token prediction head (vLLM's `method: mtp`), or an
+//! EAGLE head (`eagle`, `eagle3`): a small graph that reads a token and the target's hidden
+//! state at the position before it and predicts the token after it (an EAGLE-3 head over a
+//! draft vocabulary of its own, whose ids the drafter maps to the target's).
 //!
 //! The head's row for position `p` reads token `p + 1` and the target's hidden state at `p`,
 //! and its argmax is a guess at token `p + 2`. So once the target has computed a sequence's
