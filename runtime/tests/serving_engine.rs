@@ -300,3 +300,50 @@ fn logits_come_back_with_the_tokens_of_a_request_that_asks() {
     assert_eq!(rows, 6);
     assert!(!engine.return_logits(asking), "a finished request returns nothing more");
 }
+
+/// With speculation limited to batches of at most two sequences (vLLM's
+/// `disable_by_batch_size`), no step drafts while more run, the last sequences still draft
+/// once the batch has shrunk, and every request generates what it generates alone.
+#[test]
+fn speculation_pauses_while_the_batch_is_larger_than_asked() {
+    let prompts = prompts();
+    // The first ten short, so that the last two run on alone.
+    let max_tokens = |i: usize| if i < 10 { 8 } else { 40 };
+    let speculation = NgramConfig {
+        tokens: 3,
+        min: 1,
+        max: 3,
+    };
+    let drafted_with = |limit: Option<usize>| {
+        // Room for every sequence: no preemption, so a step's batch only grows as it is made.
+        let mut engine = ServingEngine::new(HistoryModel, config(256, speculation));
+        if let Some(limit) = limit {
+            engine.speculate_up_to(limit);
+        }
+        let ids: Vec<SeqId> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                engine
+                    .add(p.clone(), max_tokens(i), vec![], SamplingParams::default())
+                    .unwrap()
+            })
+            .collect();
+        let (mut got, mut drafted) = (HashMap::new(), 0);
+        while !engine.scheduler().is_idle() {
+            let running = engine.scheduler().running();
+            let out = engine.step().unwrap();
+            if limit.is_some_and(|limit| running > limit) {
+                assert_eq!(out.drafted, 0, "drafts in a step of more than {limit:?} sequences");
+            }
+            drafted += out.drafted;
+            got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+        }
+        for (i, (id, prompt)) in ids.iter().zip(&prompts).enumerate() {
+            assert_eq!(got[id], alone(prompt, max_tokens(i)), "{id:?}, limit {limit:?}");
+        }
+        drafted
+    };
+    let (all, limited) = (drafted_with(None), drafted_with(Some(2)));
+    assert!(limited > 0 && limited < all, "{limited} of {all} drafts");
+}

@@ -445,7 +445,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 }
                 None => drafter,
             };
-            let engine = engine_setup(config, args, drafter, inbox, &metrics);
+            let engine = engine_setup(
+                (config, speculation_flags.speculate_up_to()),
+                args,
+                drafter,
+                inbox,
+                &metrics,
+            );
             http_server::start_engine(backend, engine)?;
         }
         None => {
@@ -487,7 +493,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             if backend.has_greedy_graph() {
                 eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
-            let engine = engine_setup(config, args, drafter, inbox, &metrics);
+            let engine = engine_setup(
+                (config, speculation_flags.speculate_up_to()),
+                args,
+                drafter,
+                inbox,
+                &metrics,
+            );
             http_server::start_engine(backend, engine)?;
         }
     }
@@ -598,7 +610,7 @@ const DRAFT_KV_BLOCKS: usize = 1024;
 
 /// The engine's setup once the backend settled the scheduler's blocks and budget.
 fn engine_setup(
-    config: SchedulerConfig,
+    (config, speculate_up_to): (SchedulerConfig, Option<usize>),
     args: &ServeArgs,
     drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
     inbox: tokio::sync::mpsc::UnboundedReceiver<http_server::worker::NewRequest>,
@@ -609,6 +621,7 @@ fn engine_setup(
         config,
         policy: args.scheduling_policy.policy(),
         drafter,
+        speculate_up_to,
         inbox,
         metrics: metrics.clone(),
     }

@@ -14,12 +14,13 @@ use serde_json::Value;
 const DEFAULT_DRAFT_TOKENS: usize = 4;
 
 /// What `--speculative-config` may say.
-const CONFIG_KEYS: [&str; 5] = [
+const CONFIG_KEYS: [&str; 6] = [
     "method",
     "model",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    "disable_by_batch_size",
 ];
 
 /// The drafting flags as given (`--speculative-config` unpacked into them), checked to make
@@ -39,6 +40,8 @@ pub struct SpeculationFlags {
     /// An EAGLE head (`--speculative-config` method `eagle` or `eagle3`, its `model` a
     /// directory) drafts, `tokens` a step.
     eagle: Option<(EagleMethod, String)>,
+    /// Drafting pauses while more sequences than this run (`disable_by_batch_size`).
+    disable_by_batch_size: Option<usize>,
 }
 
 /// Where drafts come from.
@@ -55,6 +58,11 @@ pub enum Drafting {
 }
 
 impl SpeculationFlags {
+    /// Draft only while at most this many sequences run (`disable_by_batch_size`).
+    pub fn speculate_up_to(&self) -> Option<usize> {
+        self.disable_by_batch_size
+    }
+
     pub fn from_args(args: &ServeArgs) -> Result<Self> {
         let given = Self {
             ngram: args.speculative_ngram,
@@ -64,6 +72,7 @@ impl SpeculationFlags {
             tokens: args.num_speculative_tokens,
             mtp: false,
             eagle: None,
+            disable_by_batch_size: None,
         };
         let flags = match &args.speculative_config {
             None => given,
@@ -178,8 +187,8 @@ pub(crate) fn eagle_head(json: &str) -> Result<(EagleMethod, String)> {
 /// vLLM's `--speculative-config` JSON as the flags it stands for: method `ngram` (with
 /// `num_speculative_tokens` and the lookup lengths), `draft_model` (with `model`, implied
 /// where the method is not given), `mtp` (with `num_speculative_tokens`), or `eagle` and
-/// `eagle3` (with the head's `model` directory and `num_speculative_tokens`); other methods
-/// and keys refused by name.
+/// `eagle3` (with the head's `model` directory and `num_speculative_tokens`), any of them with
+/// `disable_by_batch_size`; other methods and keys refused by name.
 fn from_config(json: &str) -> Result<SpeculationFlags> {
     let value: Value = serde_json::from_str(json).context("not JSON")?;
     let config = value
@@ -213,7 +222,11 @@ fn from_config(json: &str) -> Result<SpeculationFlags> {
         (None, None) => bail!("give `method` (ngram) or a draft `model`"),
     };
     let lookup = (count("prompt_lookup_min")?, count("prompt_lookup_max")?);
-    match method {
+    let disable_by_batch_size = count("disable_by_batch_size")?;
+    if disable_by_batch_size == Some(0) {
+        bail!("`disable_by_batch_size` must be at least 1 (a batch of one sequence still drafts)");
+    }
+    let flags: Result<SpeculationFlags> = match method {
         "ngram" if model.is_some() => bail!("method `ngram` drafts from the request's own text: it takes no `model`"),
         "ngram" => Ok(SpeculationFlags {
             ngram: Some(count("num_speculative_tokens")?.context("method `ngram` needs `num_speculative_tokens`")?),
@@ -253,7 +266,11 @@ fn from_config(json: &str) -> Result<SpeculationFlags> {
             })
         }
         other => bail!("method `{other}` is not one bbc serves (ngram, draft_model, mtp, eagle, eagle3)"),
-    }
+    };
+    Ok(SpeculationFlags {
+        disable_by_batch_size,
+        ..flags?
+    })
 }
 
 #[cfg(test)]
@@ -320,6 +337,9 @@ mod tests {
                 ..Default::default()
             }
         );
+        let config = r#"{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}"#;
+        let limited = flags(&["--speculative-config", config]).unwrap();
+        assert_eq!((limited.ngram, limited.speculate_up_to()), (Some(2), Some(8)));
         for (method, name) in [(EagleMethod::Eagle, "eagle"), (EagleMethod::Eagle3, "eagle3")] {
             let config = format!(r#"{{"method": "{name}", "model": "heads/e", "num_speculative_tokens": 2}}"#);
             assert_eq!(
@@ -366,6 +386,13 @@ mod tests {
             (
                 vec!["--speculative-config", r#"{"method": "medusa", "model": "m"}"#],
                 "method `medusa` is not one bbc serves",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 0}"#,
+                ],
+                "`disable_by_batch_size` must be at least 1",
             ),
             (
                 vec!["--speculative-config", r#"{"method": "ngram"}"#],

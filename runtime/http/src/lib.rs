@@ -50,6 +50,8 @@ pub struct EngineSetup {
     /// A drafter other than prompt lookup (a draft model, multi-token prediction layers), with
     /// words to say it by ("the draft model …").
     pub drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
+    /// Draft only while at most this many sequences run (vLLM's `disable_by_batch_size`).
+    pub speculate_up_to: Option<usize>,
     /// Where the server's requests come in.
     pub inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     pub metrics: Arc<metrics::Metrics>,
@@ -66,24 +68,33 @@ where
         config,
         policy,
         drafter,
+        speculate_up_to,
         inbox,
         metrics,
     } = setup;
     let mut engine = ServingEngine::new(backend, config);
     engine.set_scheduling_policy(policy);
+    if let Some(sequences) = speculate_up_to {
+        engine.speculate_up_to(sequences);
+    }
     let on = engine.scheduler().config().speculation;
     let draft_model = drafter.and_then(|(name, drafter)| engine.use_drafter(drafter).then_some(name));
     match (config.speculation.is_on(), on.is_on()) {
-        (_, true) => match draft_model {
-            Some(name) => eprintln!(
-                "speculative decoding: drafts from {name}, up to {} drafted tokens a step",
-                on.tokens
-            ),
-            None => eprintln!(
-                "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
-                on.tokens, on.min, on.max
-            ),
-        },
+        (_, true) => {
+            match draft_model {
+                Some(name) => eprintln!(
+                    "speculative decoding: drafts from {name}, up to {} drafted tokens a step",
+                    on.tokens
+                ),
+                None => eprintln!(
+                    "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
+                    on.tokens, on.min, on.max
+                ),
+            }
+            if let Some(sequences) = speculate_up_to {
+                eprintln!("speculative decoding pauses while more than {sequences} sequences run");
+            }
+        }
         (true, false) => eprintln!(
             "speculative decoding is off: this plan cannot verify drafted tokens (it was compiled before its kernels sampled several rows, or, for a model with recurrent state, kept the states to rewind drafts to: compile it again)"
         ),

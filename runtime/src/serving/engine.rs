@@ -298,6 +298,11 @@ impl<B: PagedBackend> ServingEngine<B> {
 
     /// Order the queue and choose whom to preempt by `policy` (before anything is added;
     /// false after).
+    /// Draft only while at most `sequences` run (see [`Scheduler::speculate_up_to`]).
+    pub fn speculate_up_to(&mut self, sequences: usize) {
+        self.scheduler.speculate_up_to(sequences);
+    }
+
     pub fn set_scheduling_policy(&mut self, policy: super::SchedulingPolicy) -> bool {
         self.scheduler.set_policy(policy)
     }

@@ -257,6 +257,9 @@ pub struct Scheduler {
     /// Drafted tokens (of any kind) one sequence may carry in a step, at most (see
     /// [`Scheduler::cap_drafts`]).
     max_drafts: usize,
+    /// Speculation pauses while more sequences than this run (see
+    /// [`Scheduler::speculate_up_to`]).
+    speculating_batch: usize,
 }
 
 /// A decoding sequence that may carry drafted tokens in the next step: its tokens so far, and
@@ -291,7 +294,15 @@ impl Scheduler {
             forced: BTreeMap::new(),
             policy: SchedulingPolicy::Fcfs,
             max_drafts: usize::MAX,
+            speculating_batch: usize::MAX,
         }
+    }
+
+    /// Draft (prompt lookup, a draft model or head) only while at most `sequences` run, as
+    /// vLLM's `disable_by_batch_size`: a large batch is bound by arithmetic, where verifying
+    /// drafts costs as much as the tokens it may save. A grammar's forced drafts still go.
+    pub fn speculate_up_to(&mut self, sequences: usize) {
+        self.speculating_batch = sequences;
     }
 
     /// Let no sequence carry more than `most` drafted tokens in a step, whatever proposed them
@@ -666,10 +677,12 @@ impl Scheduler {
         grown
     }
 
-    /// How many tokens `seq` may draft after its last one: none unless speculation is on and
-    /// not paused for it; at most its draft length, within its [`draft_room`](Self::draft_room).
+    /// How many tokens `seq` may draft after its last one: none unless speculation is on, not
+    /// paused for it, and the batch is within [`speculate_up_to`](Self::speculate_up_to)'s;
+    /// at most its draft length, within its [`draft_room`](Self::draft_room).
     fn draft_limit(&self, seq: &Seq) -> usize {
-        match self.config.speculation.is_on() && seq.draft_pause == 0 {
+        let speculating = self.config.speculation.is_on() && self.running.len() <= self.speculating_batch;
+        match speculating && seq.draft_pause == 0 {
             true => self.draft_room(seq).min(seq.draft_len),
             false => 0,
         }
