@@ -2,8 +2,9 @@
 # EAGLE drafting on this machine, side by side: the Llama-shaped model of
 # `benches/eagle-heads.py` served plain, drafted for by an EAGLE-1 head that guesses exactly
 # what it chooses (every draft accepted: the mechanism's ceiling), and by a random EAGLE-3
-# head (every draft refused: its cost). `bbc bench` per server: ISL 128, OSL 128, greedy, at
-# concurrency 1 and 4. Needs python3 with torch and safetensors (PYTHON to pick one).
+# head (every draft refused: its cost), also with drafting paused above two sequences
+# (`disable_by_batch_size`). `bbc bench` per server: ISL 128, OSL 128, greedy, at concurrency
+# 1 and 4. Needs python3 with torch and safetensors (PYTHON to pick one).
 #   benches/eagle.sh [drafted-tokens]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +15,12 @@ server=
 trap '[ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$dir"' EXIT
 cargo build --release --bin bbc >/dev/null
 "${PYTHON:-python3}" benches/eagle-heads.py "$dir" >/dev/null
-for head in none eagle-exact eagle3-random; do
+for head in none eagle-exact eagle3-random eagle3-random-paused; do
   flags=()
   case $head in
     eagle-exact) flags=(--speculative-config "{\"method\": \"eagle\", \"model\": \"$dir/$head\", \"num_speculative_tokens\": $drafts}") ;;
     eagle3-random) flags=(--speculative-config "{\"method\": \"eagle3\", \"model\": \"$dir/$head\", \"num_speculative_tokens\": $drafts}") ;;
+    eagle3-random-paused) flags=(--speculative-config "{\"method\": \"eagle3\", \"model\": \"$dir/eagle3-random\", \"num_speculative_tokens\": $drafts, \"disable_by_batch_size\": 2}") ;;
   esac
   ./target/release/bbc serve "$dir/target" --tokenizer smollm2 --port "$port" "${flags[@]}" \
     >/tmp/bbc-eagle-bench.log 2>&1 &
