@@ -551,7 +551,6 @@ fn eagle_drafts_on_gpu_plans_change_no_token() {
 fn bbc(args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
         .args(args)
-        .env("BBC_HOME", common::scratch_dir("bbc-eagle-home-").path())
         .output()
         .unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
