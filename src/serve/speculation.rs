@@ -14,13 +14,14 @@ use serde_json::Value;
 const DEFAULT_DRAFT_TOKENS: usize = 4;
 
 /// What `--speculative-config` may say.
-const CONFIG_KEYS: [&str; 6] = [
+const CONFIG_KEYS: [&str; 7] = [
     "method",
     "model",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
     "disable_by_batch_size",
+    "draft_tensor_parallel_size",
 ];
 
 /// The drafting flags as given (`--speculative-config` unpacked into them), checked to make
@@ -223,6 +224,10 @@ fn from_config(json: &str) -> Result<SpeculationFlags> {
     };
     let lookup = (count("prompt_lookup_min")?, count("prompt_lookup_max")?);
     let disable_by_batch_size = count("disable_by_batch_size")?;
+    // Read for vLLM command lines, as `--tensor-parallel-size`: bbc drafts on one GPU.
+    if let Some(size) = count("draft_tensor_parallel_size")?.filter(|&n| n != 1) {
+        bail!("`draft_tensor_parallel_size` {size}: bbc drafts on one GPU");
+    }
     if disable_by_batch_size == Some(0) {
         bail!("`disable_by_batch_size` must be at least 1 (a batch of one sequence still drafts)");
     }
@@ -339,6 +344,9 @@ mod tests {
         );
         let config = r#"{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}"#;
         let limited = flags(&["--speculative-config", config]).unwrap();
+        // vLLM's command lines name the draft's tensor parallelism; one GPU is what bbc runs.
+        let config = r#"{"model": "d.gguf", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}"#;
+        assert_eq!(flags(&["--speculative-config", config]).unwrap(), draft);
         assert_eq!((limited.ngram, limited.speculate_up_to()), (Some(2), Some(8)));
         for (method, name) in [(EagleMethod::Eagle, "eagle"), (EagleMethod::Eagle3, "eagle3")] {
             let config = format!(r#"{{"method": "{name}", "model": "heads/e", "num_speculative_tokens": 2}}"#);
@@ -361,9 +369,13 @@ mod tests {
             (
                 vec![
                     "--speculative-config",
-                    r#"{"model": "d", "draft_tensor_parallel_size": 1}"#,
+                    r#"{"model": "d", "draft_tensor_parallel_size": 2}"#,
                 ],
-                "draft_tensor_parallel_size",
+                "`draft_tensor_parallel_size` 2: bbc drafts on one GPU",
+            ),
+            (
+                vec!["--speculative-config", r#"{"model": "d", "draft_model_max_len": 4096}"#],
+                "`draft_model_max_len` is not a key bbc reads",
             ),
             (
                 vec!["--speculative-config", r#"{"method": "eagle", "model": "e"}"#],
