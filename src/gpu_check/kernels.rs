@@ -162,6 +162,12 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     for ids in [prompt, vec![5], vec![77], vec![123]] {
         exec.step(&mut seq, &ids)?;
     }
+    worst_error(name, &exec)
+}
+
+/// Print each kernel `exec` compared (a row of `name`'s table: launches, max relative error)
+/// and return the worst error.
+fn worst_error<D: PlanDevice>(name: &str, exec: &PlanExecutor<CompareDevice<D, EmulatorDevice>>) -> Result<f64> {
     let mut worst = 0f64;
     for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
         println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
@@ -337,12 +343,7 @@ fn head_plan_errors<D: PlanDevice>(
             *start += len;
         }
     }
-    let mut worst = 0f64;
-    for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
-        println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
-        worst = worst.max(error.relative);
-    }
-    Ok(worst)
+    worst_error(name, &exec)
 }
 
 /// The tiny Llama drafted for by the EAGLE-3 fixture head (`tests/fixtures/eagle/eagle3`,

@@ -331,6 +331,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let metrics = Arc::new(metrics::Metrics::default());
     let (requests, inbox) = http_server::request_channel();
     let block_size = args.block_size;
+    // The width of the states the model's MTP layers read: its hidden size.
+    let hidden = loaded.model.config.hidden;
     match loaded.gpu_plan.take() {
         Some(plans) => {
             // A GPU artifact: its batched serving plan, with the KV pool sized here.
@@ -428,20 +430,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                         blocks: config.kv_blocks,
                         ..draft_cache
                     };
-                    match &eagle_head {
-                        Some(eagle) => Some((
-                            format!(
-                                "the {} head in {} (on the GPU)",
-                                eagle.method.name(),
-                                eagle.dir.display()
-                            ),
-                            eagle::drafter(head, eagle, context_length, &cache)?,
-                        )),
-                        None => Some((
-                            "the model's multi-token prediction layers (on the GPU)".to_string(),
-                            mtp::drafter(head, loaded.model.config.hidden, context_length, &cache)?,
-                        )),
-                    }
+                    Some(head_drafter(
+                        head,
+                        eagle_head.as_ref(),
+                        (hidden, context_length),
+                        &cache,
+                        "the GPU",
+                    )?)
                 }
                 None => drafter,
             };
@@ -455,22 +450,16 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             http_server::start_engine(backend, engine)?;
         }
         None => {
-            let hidden = loaded.model.config.hidden;
             let (backend, head) = cpu_serving_with_head(loaded, mtp_head, eagle_head.as_ref())?;
-            let drafter = match (head, &eagle_head) {
-                (Some(head), Some(eagle)) => Some((
-                    format!(
-                        "the {} head in {} (on the CPU backend)",
-                        eagle.method.name(),
-                        eagle.dir.display()
-                    ),
-                    eagle::drafter(head, eagle, context_length, &draft_cache)?,
-                )),
-                (Some(head), None) => Some((
-                    "the model's multi-token prediction layers (on the CPU backend)".to_string(),
-                    mtp::drafter(head, hidden, context_length, &draft_cache)?,
-                )),
-                (None, _) => drafter,
+            let drafter = match head {
+                Some(head) => Some(head_drafter(
+                    head,
+                    eagle_head.as_ref(),
+                    (hidden, context_length),
+                    &draft_cache,
+                    "the CPU backend",
+                )?),
+                None => drafter,
             };
             let logits = backend.logits();
             let block_bytes = block_size * logits.kv_bytes_per_position();
@@ -574,6 +563,36 @@ fn has_cheap_head(graph: &ir::Graph) -> bool {
         .nodes()
         .iter()
         .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. } | ir::Op::ShortlistTopK { .. }))
+}
+
+/// The drafter over a draft head's backend `head`: `eagle`'s where given, else the model's
+/// multi-token prediction layers' (reading states `hidden` wide); named with `place`, where it
+/// runs.
+fn head_drafter<B>(
+    head: B,
+    eagle: Option<&models::eagle::EagleHead>,
+    (hidden, context_length): (usize, usize),
+    cache: &draft::DraftCache,
+    place: &str,
+) -> Result<(String, Box<dyn runtime::serving::Drafter>)>
+where
+    B: runtime::serving::PagedBackend + Send + 'static,
+    B::Pages: Send,
+{
+    Ok(match eagle {
+        Some(eagle) => (
+            format!(
+                "the {} head in {} (on {place})",
+                eagle.method.name(),
+                eagle.dir.display()
+            ),
+            eagle::drafter(head, eagle, context_length, cache)?,
+        ),
+        None => (
+            format!("the model's multi-token prediction layers (on {place})"),
+            mtp::drafter(head, hidden, context_length, cache)?,
+        ),
+    })
 }
 
 /// Say what the prefix cache keeps of a model's recurrent states: `places` snapshots of
