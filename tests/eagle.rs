@@ -16,7 +16,7 @@ use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 use ir::reference::Interpreter;
 use models::eagle::{EagleHead, EagleMethod};
 use models::weights::DequantizedWeights;
-use models::{LogitsFor, LowerOptions, Model, ModelSpec, WeightSource};
+use models::{LogitsFor, Model, ModelSpec, WeightSource};
 use runtime::emulator_device::EmulatorBackend;
 use runtime::serving::{DraftRequest, Drafter, MtpDrafter, PagedBackend, SchedulerConfig, SeqId};
 use runtime::{CpuBackend, SamplingParams};
@@ -39,14 +39,6 @@ fn open_head(model: &Model, dir: &Path, method: EagleMethod) -> EagleHead {
 
 fn fixture_head(model: &Model, name: &str, method: EagleMethod) -> EagleHead {
     open_head(model, &common::fixture(&format!("eagle/{name}")), method)
-}
-
-fn options(model: &Model, logits: LogitsFor) -> LowerOptions {
-    LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    }
 }
 
 /// What `make_eagle_heads.py` wrote for a head.
@@ -106,7 +98,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 fn target_graph(model: &Model, head: &EagleHead, logits: LogitsFor) -> ir::Graph {
     let graph = model.lower(logits).unwrap();
     let graph = head
-        .target_graph(&graph, &model.weights, options(model, logits))
+        .target_graph(&graph, &model.weights, model.lower_options(logits))
         .unwrap();
     passes::optimized(&graph, passes::CostModel::CPU).unwrap()
 }
@@ -120,7 +112,11 @@ fn target_backend(model: &Model, head: &EagleHead) -> CpuBackend {
 /// The drafter over `head`'s greedy graph on the CPU backend, its 4-bit shortlist or not.
 fn drafter(model: &Model, head: &EagleHead, shortlisted: bool) -> MtpDrafter<CpuBackend> {
     let graph = head
-        .lower(&model.config, &model.weights, options(model, LogitsFor::GreedyToken))
+        .lower(
+            &model.config,
+            &model.weights,
+            model.lower_options(LogitsFor::GreedyToken),
+        )
         .unwrap();
     let graph = match shortlisted {
         true => passes::shortlisted_draft_head(&graph).unwrap(),
@@ -149,7 +145,7 @@ fn the_target_outputs_the_states_its_head_reads() {
             .target_graph(
                 &model.lower(LogitsFor::LastToken).unwrap(),
                 &model.weights,
-                options(&model, LogitsFor::LastToken),
+                model.lower_options(LogitsFor::LastToken),
             )
             .unwrap();
         let positions: Vec<usize> = (0..want.prompt.len()).collect();
@@ -187,7 +183,7 @@ fn the_heads_rows_are_the_references() {
         let head = fixture_head(&model, name, method);
         let want = reference(name);
         let graph = head
-            .lower(&model.config, &model.weights, options(&model, LogitsFor::AllTokens))
+            .lower(&model.config, &model.weights, model.lower_options(LogitsFor::AllTokens))
             .unwrap();
         let weights = head.weights_beside(&model.weights);
         let dequantized = DequantizedWeights::new(&weights);
@@ -196,7 +192,7 @@ fn the_heads_rows_are_the_references() {
         let backend = CpuBackend::new(optimized, &weights, model.config.context_length).unwrap();
         let mut pages = backend.new_pages(8);
         let plan_graph = head
-            .lower(&model.config, &model.weights, options(&model, LogitsFor::LastToken))
+            .lower(&model.config, &model.weights, model.lower_options(LogitsFor::LastToken))
             .unwrap();
         let plan_graph = models::with_greedy_token(&fused_for_h200(&plan_graph)).unwrap();
         let (plan, kernels) =
@@ -465,7 +461,7 @@ fn plan_cache(blocks: usize) -> codegen::gpu::BatchedCache {
 fn target_plan(model: &Model, head: &EagleHead, kv_blocks: usize) -> EmulatorBackend {
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let graph = head
-        .target_graph(&graph, &model.weights, options(model, LogitsFor::LastToken))
+        .target_graph(&graph, &model.weights, model.lower_options(LogitsFor::LastToken))
         .unwrap();
     let graph = models::with_greedy_token(&fused_for_h200(&graph)).unwrap();
     let weights = head.weights_beside(&model.weights);
@@ -492,7 +488,7 @@ fn head_plan(
         false => LogitsFor::LastToken,
     };
     let graph = head
-        .lower(&model.config, &model.weights, options(model, logits))
+        .lower(&model.config, &model.weights, model.lower_options(logits))
         .unwrap();
     let graph = match shortlisted {
         true => fused_for_h200(&passes::shortlisted_draft_head(&graph).unwrap()),
@@ -795,7 +791,7 @@ fn a_malformed_eagle_head_is_refused_by_name() {
     let skipped = with_extra_vector(scratch.path(), "eagle", "layers.0.input_layernorm.weight", 64);
     let head = open_head(&model, &skipped, EagleMethod::Eagle);
     let graph = head
-        .lower(&model.config, &model.weights, options(&model, LogitsFor::LastToken))
+        .lower(&model.config, &model.weights, model.lower_options(LogitsFor::LastToken))
         .unwrap();
     assert!(!graph
         .nodes()

@@ -123,15 +123,16 @@ impl Model {
 
     /// Lower to the graph of one step.
     pub fn lower(&self, logits: LogitsFor) -> Result<ir::Graph> {
-        lower(
-            &self.config,
-            &self.weights,
-            LowerOptions {
-                logits,
-                compute: self.spec.dtype,
-                kv_cache: self.spec.kv_cache_dtype,
-            },
-        )
+        lower(&self.config, &self.weights, self.lower_options(logits))
+    }
+
+    /// How this model's graphs are lowered: in its compute and cache types, with `logits`.
+    pub fn lower_options(&self, logits: LogitsFor) -> LowerOptions {
+        LowerOptions {
+            logits,
+            compute: self.spec.dtype,
+            kv_cache: self.spec.kv_cache_dtype,
+        }
     }
 
     pub fn weights_path(&self) -> PathBuf {

@@ -258,13 +258,8 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         (_, Some(_)) => {
             let target_graph = match &eagle {
                 Some(head) => {
-                    let model = &loaded.model;
-                    let options = models::LowerOptions {
-                        logits: models::LogitsFor::LastToken,
-                        compute: model.spec.dtype,
-                        kv_cache: model.spec.kv_cache_dtype,
-                    };
-                    head.target_graph(&loaded.graph, &model.weights, options)?
+                    let options = loaded.model.lower_options(models::LogitsFor::LastToken);
+                    head.target_graph(&loaded.graph, &loaded.model.weights, options)?
                 }
                 None => models::with_hidden_states(&loaded.graph)?,
             };
@@ -314,9 +309,9 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
 }
 
 /// The draft step of the model's multi-token prediction layers, fused for `target` (see
-/// [`draft_plan_graph`]), where its checkpoint carries layers bbc lowers. Where the checkpoint carries layers bbc cannot lower
-/// (llama.cpp's Qwen files), why not, said on stderr, and none; a head that cannot be
-/// shortlisted (rows not whole blocks of 32) is an error.
+/// [`draft_plan_graph`]), where its checkpoint carries layers bbc lowers. Where the checkpoint
+/// carries layers bbc cannot lower (llama.cpp's Qwen files), why not, said on stderr, and none;
+/// a head that cannot be shortlisted (rows not whole blocks of 32) is an error.
 fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -> Result<Option<ir::Graph>> {
     let model = &loaded.model;
     if model.config.mtp_layers == 0 || !model.config.family.lowers_mtp() {
@@ -336,15 +331,10 @@ fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -
 /// How a draft head's graph is lowered for its plan: its logits for the full head's argmax, or
 /// its greedy token for the shortlist.
 fn draft_options(model: &models::Model, draft_head: DraftHead) -> models::LowerOptions {
-    let logits = match draft_head {
+    model.lower_options(match draft_head {
         DraftHead::Full => models::LogitsFor::LastToken,
         DraftHead::Shortlist => models::LogitsFor::GreedyToken,
-    };
-    models::LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    }
+    })
 }
 
 /// A draft head's `graph` fused for `target`: with the full head, its argmax beside its logits

@@ -362,13 +362,8 @@ pub fn eagle_kernel_errors<D: PlanDevice>(
     let dir = fixtures.parent().unwrap_or(fixtures).join("eagle/eagle3");
     let head = EagleHead::open(&dir, EagleMethod::Eagle3, &model.config)?;
     let weights = head.weights_beside(&model.weights);
-    let options = |logits| models::LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    };
     let serving = model.lower(LogitsFor::LastToken)?;
-    let serving = head.target_graph(&serving, &model.weights, options(LogitsFor::LastToken))?;
+    let serving = head.target_graph(&serving, &model.weights, model.lower_options(LogitsFor::LastToken))?;
     let mut worst = 0f64;
     let chosen = (target, gpu::PlanKernels::default());
     for (kernel, launches, error) in batched_graph_errors(serving, &weights, chosen, &mut device)? {
@@ -376,7 +371,7 @@ pub fn eagle_kernel_errors<D: PlanDevice>(
         worst = worst.max(error);
     }
     let cost = crate::model_ref::cost_model(target);
-    let lower = |logits| head.lower(&model.config, &model.weights, options(logits));
+    let lower = |logits| head.lower(&model.config, &model.weights, model.lower_options(logits));
     let argmax = models::with_greedy_token(&passes::optimized(&lower(LogitsFor::LastToken)?, cost)?)?;
     let shortlisted = passes::optimized(&passes::shortlisted_draft_head(&lower(LogitsFor::GreedyToken)?)?, cost)?;
     for (name, graph) in [

@@ -9,7 +9,7 @@ use super::draft::DraftCache;
 use crate::model_ref::{GpuPlanFiles, Loaded};
 use anyhow::{bail, ensure, Context, Result};
 use models::eagle::{EagleHead, EagleMethod};
-use models::{LogitsFor, LowerOptions};
+use models::LogitsFor;
 use runtime::serving::{Drafter, MtpDrafter, PagedBackend};
 use std::path::Path;
 
@@ -25,16 +25,15 @@ pub fn prepare(
     let name = method.name();
     let eagle = open(loaded, method, dir)?;
     let model = &loaded.model;
-    let options = |logits| LowerOptions {
-        logits,
-        compute: model.spec.dtype,
-        kv_cache: model.spec.kv_cache_dtype,
-    };
     let greedy_head = eagle
-        .lower(&model.config, &model.weights, options(LogitsFor::GreedyToken))
+        .lower(
+            &model.config,
+            &model.weights,
+            model.lower_options(LogitsFor::GreedyToken),
+        )
         .with_context(|| format!("method `{name}`"))?;
     let with_states = |logits| -> Result<ir::Graph> {
-        let graph = eagle.target_graph(&model.lower(logits)?, &model.weights, options(logits))?;
+        let graph = eagle.target_graph(&model.lower(logits)?, &model.weights, model.lower_options(logits))?;
         Ok(passes::optimized(&graph, passes::CostModel::CPU)?)
     };
     loaded.graph = with_states(LogitsFor::LastToken)?;
