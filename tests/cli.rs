@@ -939,14 +939,20 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
 
 /// Random weights in the 4-bit blocks of a GPTQ, AWQ or compressed-tensors checkpoint
 /// (`--load-format dummy -q awq`, as vLLM takes it): every projection is the random bf16
-/// matrix rounded to nearest into 4-bit blocks, everything else as unquantized; an artifact
-/// compiled so records the method, its graph reads 4-bit blocks, and it runs as the model
-/// loaded so. Over a checkpoint of floats the method is refused.
+/// matrix rounded to nearest into 4-bit blocks, of 128 where its rows are whole blocks of 128
+/// (a width-128 Llama's attention and gate/up projections) and of 32 where not (its 160-wide
+/// down projection), everything else as unquantized; an artifact compiled so records the
+/// method, its graph reads both sizes, and it runs as the model loaded so. Over a checkpoint
+/// of floats the method is refused.
 #[test]
 fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
     let scratch = common::scratch_dir("bbc-u4-dummy-");
     let config = scratch.path().join("config.json");
-    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
+    let mut wide: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    wide["hidden_size"] = 128.into();
+    wide["head_dim"] = 32.into();
+    std::fs::write(&config, wide.to_string()).unwrap();
     let config = config.to_str().unwrap();
     let load = |quantization: Option<&str>| {
         let options = bbc::model_ref::LoadOptions {
@@ -960,20 +966,25 @@ fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
     let plain = load(None);
     for method in ["awq", "gptq_marlin", "compressed-tensors"] {
         let quantized = load(Some(method));
-        let mut blocks = 0;
+        let (mut of_32, mut of_128) = (0, 0);
         for name in plain.model.weights.names() {
             let (was, is) = (
                 plain.model.weights.require(name).unwrap(),
                 quantized.model.weights.require(name).unwrap(),
             );
-            if is.dtype == quant::GgmlType::U4B32 {
-                assert_eq!(is.bytes, quant::u4_blocks::quantize_matrix(&was), "{name}");
-                blocks += 1;
+            if let Some(size) = quant::u4_blocks::Size::of(is.dtype) {
+                let cols = was.shape[1];
+                assert_eq!(Some(size), quant::u4_blocks::Size::widest(cols, None), "{name}");
+                assert_eq!(is.bytes, quant::u4_blocks::quantize_matrix(&was, size), "{name}");
+                match size {
+                    quant::u4_blocks::Size::Of32 => of_32 += 1,
+                    quant::u4_blocks::Size::Of128 => of_128 += 1,
+                }
             } else {
                 assert!(is.dtype == was.dtype && is.bytes == was.bytes, "{name}");
             }
         }
-        assert_eq!(blocks, 21, "{method}: 7 projections a layer");
+        assert_eq!((of_32, of_128), (3, 18), "{method}: 7 projections a layer");
     }
     let artifact = scratch.path().join("artifact");
     let out = artifact.to_str().unwrap();
@@ -982,9 +993,8 @@ fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
         codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
         Some("awq")
     );
-    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
-        .unwrap()
-        .contains("u4_b32"));
+    let graph = std::fs::read_to_string(artifact.join("graph.ir")).unwrap();
+    assert!(graph.contains("u4_b32") && graph.contains("u4_b128"));
     let run = |model: &str, extra: &[&str]| {
         let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
         json(&[&args[..], extra].concat())["ids"].clone()

@@ -1177,39 +1177,36 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     }
 }
 
-/// Integer checkpoints held as blocks of 32 (their levels with their groups' scales and zero
-/// points) run their plans as the CPU backend runs them: AWQ's Llama (4-bit blocks) and
-/// compressed-tensors' symmetric one (FP8 blocks) on Hopper, and compressed-tensors' Qwen3-Next
+/// Integer checkpoints held as blocks (their levels with their groups' scales and zero
+/// points) run their plans as the CPU backend runs them: GPTQ's 128-wide Llama in groups of
+/// 128 (4-bit blocks of 128, its down projection's of 32) and compressed-tensors' symmetric
+/// Llama (FP8 blocks of 32) on Hopper, and compressed-tensors' Qwen3-Next
 /// (experts, Gated DeltaNet, attention in 4-bit blocks; its shared expert's down projection
 /// dequantized to f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a
 /// 19-token prompt (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its router
 /// follows the rounding, as in [`fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does`]).
 #[test]
 fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
-    use quant::GgmlType::{F8E4M3B32, U4B32};
+    use quant::GgmlType::{F8E4M3B32, U4B128, U4B32};
     for (family, target, held_as, prefill_tolerance) in [
-        ("llama_awq", Target::H200, U4B32, 2e-2),
-        ("llama_w4a16", Target::H200, F8E4M3B32, 2e-2),
-        ("qwen3_next_w4a16", Target::RtxPro6000, U4B32, 1e-1),
+        ("llama_gptq_g128", Target::H200, &[U4B128, U4B32][..], 2e-2),
+        ("llama_w4a16", Target::H200, &[F8E4M3B32], 2e-2),
+        ("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1),
     ] {
         let held = open(family, ComputeDtype::Native);
-        let (stored, _) = held
-            .weights
-            .describe("model.layers.0.mlp.down_proj.weight")
-            .or_else(|| held.weights.describe("model.layers.0.mlp.experts.0.down_proj.weight"))
-            .unwrap();
-        assert_eq!(stored, held_as, "{family}");
         let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
-        let format = quant::tensor::ir_dtype(held_as);
-        let blocks = graph
-            .nodes()
-            .iter()
-            .filter(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype == format)
-            .count();
-        assert!(
-            blocks >= 2,
-            "{family}: the plan's graph has {blocks} weights of {format}"
-        );
+        for &held_as in held_as {
+            let format = quant::tensor::ir_dtype(held_as);
+            let blocks = graph
+                .nodes()
+                .iter()
+                .filter(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype == format)
+                .count();
+            assert!(
+                blocks >= 2,
+                "{family}: the plan's graph has {blocks} weights of {format}"
+            );
+        }
         check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
         assert_eq!(held.weights.converted_bytes(), 0, "{family}: nothing held twice");
     }
@@ -2546,9 +2543,12 @@ fn fp8_weights_made_for_the_device_equal_a_checkpoint_quantized_as_it_loads() {
 /// 4-bit decode): the plan's blocks are made on the host from the bf16 values the device would
 /// fill, each block rounded to nearest (`u4_blocks::quantize_matrix`), and uploaded; the rest
 /// filled on the device. Bit for bit what those blocks made on the host and uploaded compute.
+/// The model is 128 wide, so its q/k/v and gate/up projections are blocks of 128, its o and
+/// down projections (64 and 160 wide rows) blocks of 32.
 #[test]
 fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
-    let config = open("llama", ComputeDtype::Bf16).config;
+    let mut config = open("llama", ComputeDtype::Bf16).config;
+    config.hidden = 128;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
@@ -2558,25 +2558,34 @@ fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
     let graph = fused_for(&lowered, Target::H200);
     let seed = 4;
     let mut tensors = runtime::random_weights::host_weights(&lowered, seed);
-    let mut blocks = 0;
+    let mut blocks = std::collections::BTreeMap::new();
     for node in lowered.nodes() {
         let ir::Op::Weight { name } = &node.op else { continue };
-        if node.dtype == ir::DType::U4B32 {
-            let tensor = tensors.get_mut(name).unwrap();
-            let view = quant::tensor::TensorView {
-                shape: &tensor.shape,
-                dtype: tensor.dtype,
-                bytes: &tensor.bytes,
-            };
-            tensor.bytes = quant::u4_blocks::quantize_matrix(&view);
-            tensor.dtype = quant::GgmlType::U4B32;
-            blocks += 1;
-        }
+        let size = match node.dtype {
+            ir::DType::U4B32 => quant::u4_blocks::Size::Of32,
+            ir::DType::U4B128 => quant::u4_blocks::Size::Of128,
+            _ => continue,
+        };
+        let tensor = tensors.get_mut(name).unwrap();
+        let view = quant::tensor::TensorView {
+            shape: &tensor.shape,
+            dtype: tensor.dtype,
+            bytes: &tensor.bytes,
+        };
+        tensor.bytes = quant::u4_blocks::quantize_matrix(&view, size);
+        tensor.dtype = size.format();
+        *blocks.entry(size.elems()).or_insert(0) += 1;
     }
-    assert_eq!(blocks, 7 * config.layers, "every projection of every layer");
+    let per_layer = |n: usize| n * config.layers;
+    assert_eq!(
+        blocks,
+        [(32, per_layer(2)), (128, per_layer(5))].into(),
+        "every projection of every layer"
+    );
     let weights = models::WeightSource::Memory(tensors);
     let both = generated_and_uploaded_over(config, graph, &weights, seed, 2);
     assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::U4B32));
+    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::U4B128));
     assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::BF16));
     generated_steps_agree(&both);
 }

@@ -1260,9 +1260,12 @@ fn fp8_checkpoints_match_hf() {
 /// (`pack-quantized`: 4 bits symmetric and asymmetric in groups of 32, 8 bits a scale a row;
 /// `int-quantized`, a level a byte: 8 bits with zero points in groups of 32;
 /// Qwen3-Next's experts, Gated DeltaNet and attention at 4 bits a scale a row), GPTQ (4 bits in
-/// groups of 32, also with act-order) and AWQ (its GEMM layout). Each weight is `(q − z) · s` in
+/// groups of 32, also with act-order, and in groups of 128 over a 128-wide Llama) and AWQ (its
+/// GEMM layout). Each weight is `(q − z) · s` in
 /// f32 whether read in f32 or held: as 4-bit blocks where its levels have 4 bits, its groups
-/// are whole blocks and its scales have at most 20 significant bits (f16's in GPTQ and AWQ,
+/// are whole blocks (of 128 where every 128 columns lie in one group: the 128-wide Llama's
+/// projections but its 160-wide down projection, whose second group is short, held in blocks
+/// of 32) and its scales have at most 20 significant bits (f16's in GPTQ and AWQ,
 /// f32 ones of bf16's precision), as FP8 blocks where the scales are f32's (`llama_w4a16`),
 /// else as the checkpoint's f32 (8 bits, act-order, and Qwen3-Next's shared-expert down
 /// projection of 48 columns): logits at every prompt row and cached step, and greedy ids,
@@ -1270,7 +1273,7 @@ fn fp8_checkpoints_match_hf() {
 /// transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
 #[test]
 fn integer_checkpoints_match_hf() {
-    use quant::GgmlType::{F32, F8E4M3B32, U4B32};
+    use quant::GgmlType::{F32, F8E4M3B32, U4B128, U4B32};
     let down = "model.layers.1.mlp.down_proj.weight";
     for (name, method, weight, held) in [
         ("llama_w4a16", "compressed-tensors", down, F8E4M3B32),
@@ -1279,6 +1282,7 @@ fn integer_checkpoints_match_hf() {
         ("llama_w8a16_int", "compressed-tensors", down, F32),
         ("llama_gptq", "gptq", down, U4B32),
         ("llama_gptq_act_order", "gptq", down, F32),
+        ("llama_gptq_g128", "gptq", "model.layers.1.mlp.up_proj.weight", U4B128),
         ("llama_awq", "awq", down, U4B32),
         (
             "qwen3_next_w4a16",
@@ -1304,6 +1308,25 @@ fn integer_checkpoints_match_hf() {
     })
     .unwrap();
     assert_eq!(native.weights.require(shared_down).unwrap().dtype, F32);
+    let wide = Model::open(ModelSpec {
+        dtype: ComputeDtype::Native,
+        ..ModelSpec::for_weights(&fixture("hf-tiny/llama_gptq_g128"))
+    })
+    .unwrap();
+    for layer in 0..2 {
+        for (part, held) in [
+            ("self_attn.q_proj", U4B128),
+            ("self_attn.k_proj", U4B128),
+            ("self_attn.v_proj", U4B128),
+            ("self_attn.o_proj", U4B128),
+            ("mlp.gate_proj", U4B128),
+            ("mlp.up_proj", U4B128),
+            ("mlp.down_proj", U4B32),
+        ] {
+            let name = format!("model.layers.{layer}.{part}.weight");
+            assert_eq!(wide.weights.require(&name).unwrap().dtype, held, "{name}");
+        }
+    }
 }
 
 /// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)

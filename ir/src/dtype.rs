@@ -31,6 +31,8 @@ pub enum DType {
     /// 4-bit levels in blocks of 32 with an f32 scale and offset each: an integer checkpoint's
     /// 4-bit weights (`quant::u4_blocks`), each weight its level times the scale plus the offset.
     U4B32,
+    /// The same in blocks of 128 (`quant::u4_blocks`), where the checkpoint's groups allow.
+    U4B128,
 }
 
 impl DType {
@@ -55,6 +57,7 @@ impl DType {
             Self::IQ4XS => "iq4_xs",
             Self::F8E4M3B32 => "f8_e4m3_b32",
             Self::U4B32 => "u4_b32",
+            Self::U4B128 => "u4_b128",
         }
     }
 
@@ -79,6 +82,7 @@ impl DType {
             Self::IQ4XS,
             Self::F8E4M3B32,
             Self::U4B32,
+            Self::U4B128,
         ]
         .into_iter()
         .find(|d| d.name() == s)

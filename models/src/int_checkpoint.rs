@@ -6,7 +6,8 @@
 //! bbc reads them as those libraries dequantize them, each product in f32. Where levels have
 //! at most 4 bits and every 32 columns of a row lie in one group, each 32 columns of a row
 //! become a block of 32 with their group's scale: 4-bit blocks (`quant::u4_blocks`: the
-//! levels, the scale and `−z · s`, 6 bits a weight) where the scales make `q · s − z · s`
+//! levels, the scale and `−z · s`, 6 bits a weight; blocks of 128, 4.5 bits, where every 128
+//! columns lie in one group) where the scales make `q · s − z · s`
 //! exact (every f16 and bf16 scale does), else FP8 blocks (`quant::fp8_blocks`: `q − z`, at
 //! most 16 in magnitude, is exactly an E4M3 code; 9 bits a weight). Either way the products
 //! are the same, run by kernels every such block has. Wider levels, act-order groups and groups
@@ -16,7 +17,7 @@
 use crate::quant::GgmlType;
 use half::{bf16, f16};
 use ir::F8E4M3;
-use quant::fp8_blocks::{block, BLOCK_ELEMS};
+use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
 use quant::u4_blocks;
 use rayon::prelude::*;
 
@@ -465,46 +466,69 @@ impl PackedLayout {
     /// their zero points, its scale their group's. The layout must
     /// [fit them](Self::fits_blocks_of_32).
     pub fn blocks_of_32(&self, parts: &PackedParts<'_>) -> Vec<u8> {
-        self.in_blocks_of_32(parts, |levels, zero, scale| {
+        assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
+        self.in_blocks(parts, BLOCK_ELEMS, BLOCK_BYTES, |levels, zero, scale, out| {
             let codes = std::array::from_fn(|i| F8E4M3::from_f32((levels[i] - zero) as f32).0);
-            block(scale, &codes)
+            out.copy_from_slice(&block(scale, &codes));
         })
     }
 
-    /// The weight as 4-bit blocks of 32 (`quant::u4_blocks`): each block's levels as stored,
-    /// its scale its group's, its offset the group's zero point times the scale, negated, so
-    /// each weight is `level · scale − zero · scale`, exactly `(q − z) · s` where every scale
-    /// is `u4_blocks::exact`. The layout must [fit blocks](Self::fits_blocks_of_32).
-    pub fn u4_blocks(&self, parts: &PackedParts<'_>) -> Vec<u8> {
-        self.in_blocks_of_32(parts, |levels, zero, scale| {
+    /// The widest 4-bit blocks (`quant::u4_blocks`) whose columns lie in one group, where the
+    /// levels have at most 4 bits and the groups are in order: blocks of 128 at groups of 128
+    /// (GPTQ's and AWQ's default) or a scale a row, else of 32.
+    pub fn u4_size(&self) -> Option<u4_blocks::Size> {
+        let group = (self.groups > 1).then_some(self.group_cols);
+        match self.scheme.bits <= 4 && self.group_index.is_none() {
+            true => u4_blocks::Size::widest(self.cols, group),
+            false => None,
+        }
+    }
+
+    /// The weight as 4-bit blocks of `size` (`quant::u4_blocks`): each block's levels as
+    /// stored, its scale its group's, its offset the group's zero point times the scale,
+    /// negated, so each weight is `level · scale − zero · scale`, exactly `(q − z) · s` where
+    /// every scale is `u4_blocks::exact`. Each block must lie in one group (`size` no wider
+    /// than [`Self::u4_size`]).
+    pub fn u4_blocks(&self, parts: &PackedParts<'_>, size: u4_blocks::Size) -> Vec<u8> {
+        assert!(
+            self.u4_size().is_some_and(|widest| widest.elems() >= size.elems()),
+            "{self:?} does not fit 4-bit blocks of {}",
+            size.elems()
+        );
+        self.in_blocks(parts, size.elems(), size.bytes(), |stored, zero, scale, out| {
             // Levels of at most 4 bits; a byte's out of range for its width is masked.
-            let levels = std::array::from_fn(|i| (levels[i] & 15) as u8);
-            u4_blocks::block(scale, -(zero as f32) * scale, &levels)
+            let mut levels = [0u8; 128];
+            let levels = &mut levels[..stored.len()];
+            for (level, &q) in levels.iter_mut().zip(stored) {
+                *level = (q & 15) as u8;
+            }
+            u4_blocks::write_block(scale, -(zero as f32) * scale, levels, out)
         })
     }
 
-    /// The weight in blocks of 32 columns, `N` bytes each: `make(levels, zero, scale)` of each
-    /// block's 32 levels with their group's zero point and scale, the rows on the pool. The
-    /// layout must [fit blocks](Self::fits_blocks_of_32).
-    fn in_blocks_of_32<const N: usize>(
+    /// The weight in blocks of `elems` columns, `bytes` bytes each: `make(levels, zero, scale,
+    /// block)` writes each block from its levels with their group's zero point and scale, the
+    /// rows on the pool. Each block must lie in one group.
+    fn in_blocks(
         &self,
         parts: &PackedParts<'_>,
-        make: impl Fn(&[i32], i32, f32) -> [u8; N] + Sync,
+        elems: usize,
+        bytes: usize,
+        make: impl Fn(&[i32], i32, f32, &mut [u8]) + Sync,
     ) -> Vec<u8> {
-        assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
-        let row_bytes = self.cols / BLOCK_ELEMS * N;
+        let row_bytes = self.cols / elems * bytes;
         let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
         out.par_chunks_mut(row_bytes).enumerate().for_each_init(
             || self.scratch(),
             |row, (at, out)| {
                 self.row(parts, at / self.rows, at % self.rows, row);
                 for (b, (out, levels)) in out
-                    .chunks_exact_mut(N)
-                    .zip(row.levels.chunks_exact(BLOCK_ELEMS))
+                    .chunks_exact_mut(bytes)
+                    .zip(row.levels.chunks_exact(elems))
                     .enumerate()
                 {
-                    let group = self.group(b * BLOCK_ELEMS);
-                    out.copy_from_slice(&make(levels, row.zeros[group], row.scales[group]));
+                    let group = self.group(b * elems);
+                    make(levels, row.zeros[group], row.scales[group], out);
                 }
             },
         );
@@ -778,8 +802,8 @@ mod tests {
             which in 0usize..10,
             experts in 1usize..3,
             row_octets in 1usize..3,
-            col_blocks in 1usize..4,
-            groups_per_block in prop::sample::select(vec![0usize, 1, 2]),
+            col_blocks in 1usize..6,
+            groups_per_block in prop::sample::select(vec![0usize, 1, 2, 3, 4]),
             asymmetric in any::<bool>(),
             seed in any::<u64>(),
         ) {
@@ -787,8 +811,14 @@ mod tests {
             let compressed_tensors = matches!(scheme.packing, Packing::CompressedTensors | Packing::CompressedTensorsBytes);
             let matrices = if compressed_tensors { experts } else { 1 };
             let (rows, cols) = (row_octets * 8 * (32 / scheme.bits as usize).max(8) / 8, col_blocks * 32);
-            // Groups of 64 columns, 32, or 16 (which split a block).
-            let group_cols = match groups_per_block { 0 if cols % 64 == 0 => 64, 2 => 16, _ => 32 };
+            // Groups of 64 columns, 32, 16 (which split a block), 128, or a row's.
+            let group_cols = match groups_per_block {
+                0 if cols % 64 == 0 => 64,
+                2 => 16,
+                3 if cols % 128 == 0 => 128,
+                4 => cols,
+                _ => 32,
+            };
             let groups = cols / group_cols;
             let mut state = seed | 1;
             let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
@@ -836,11 +866,22 @@ mod tests {
                 }
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
+            // Blocks of 128 where every 128 columns lie in a group, else of 32 where 32 do.
+            let widest = match (scheme.bits <= 4, cols % 128 == 0 && group_cols % 128 == 0, group_cols % 32 == 0) {
+                (true, true, _) => Some(u4_blocks::Size::Of128),
+                (true, false, true) => Some(u4_blocks::Size::Of32),
+                _ => None,
+            };
+            prop_assert_eq!(layout.u4_size(), widest);
             let any_long = s.iter().any(|&s| !u4_blocks::exact(s));
-            if layout.fits_blocks_of_32() && !any_long {
-                let blocks = layout.u4_blocks(&parts);
+            for size in [u4_blocks::Size::Of32, u4_blocks::Size::Of128] {
+                if any_long || widest.is_none_or(|w| w.elems() < size.elems()) {
+                    continue;
+                }
+                let blocks = layout.u4_blocks(&parts, size);
+                prop_assert_eq!(blocks.len(), values.len() / size.elems() * size.bytes());
                 let mut widened = vec![0f32; values.len()];
-                GgmlType::U4B32.dequantize(&blocks, &mut widened);
+                size.format().dequantize(&blocks, &mut widened);
                 // Equal as numbers: a zero weight may be either zero.
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a == b));
             }
@@ -914,7 +955,8 @@ mod tests {
         assert!(layout.fits_blocks_of_32());
         let bytes = packed.parts();
         let mut values = vec![0f32; rows * cols];
-        GgmlType::U4B32.dequantize(&layout.u4_blocks(&bytes), &mut values);
+        assert_eq!(layout.u4_size(), Some(u4_blocks::Size::Of32));
+        GgmlType::U4B32.dequantize(&layout.u4_blocks(&bytes, u4_blocks::Size::Of32), &mut values);
         for r in 0..rows {
             for c in 0..cols {
                 let g = c / 64;

@@ -93,9 +93,9 @@ pub struct SafetensorsDir {
 impl SafetensorsDir {
     /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
     /// or f16), else held as blocks of 32 where they fit them (FP8 blocks, or 4-bit blocks for
-    /// integer weights whose scales allow them: `ScaleGrid::fits_blocks_of_32`,
-    /// `PackedLayout::fits_blocks_of_32`, `u4_blocks::exact`) and as the checkpoint's `dtype`
-    /// where not.
+    /// integer weights whose scales allow them, of 128 where the groups do:
+    /// `ScaleGrid::fits_blocks_of_32`, `PackedLayout::u4_size`, `u4_blocks::exact`) and as the
+    /// checkpoint's `dtype` where not.
     pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
         Self::open_with_indices(dir, convert_to, &[])
     }
@@ -160,11 +160,12 @@ impl SafetensorsDir {
             None => checkpoint_dtype,
         };
         this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
-        // Blocks of 32 of an integer checkpoint are 4-bit blocks where its scales allow them.
+        // Blocks of an integer checkpoint are 4-bit blocks where its scales allow them, as wide
+        // as its groups allow.
         this.pair_packed(ints, integers, |layout, exact_scales| {
-            match read_as(layout.fits_blocks_of_32()) {
-                GgmlType::F8E4M3B32 if exact_scales => GgmlType::U4B32,
-                read_as => read_as,
+            match (read_as(layout.fits_blocks_of_32()), layout.u4_size()) {
+                (GgmlType::F8E4M3B32, Some(size)) if exact_scales => size.format(),
+                (read_as, _) => read_as,
             }
         })?;
         Ok(this)
@@ -421,7 +422,10 @@ impl SafetensorsDir {
                     scales: &scales,
                 };
                 match weight.read_as {
-                    GgmlType::U4B32 => layout.u4_blocks(&parts),
+                    GgmlType::U4B32 | GgmlType::U4B128 => {
+                        let size = quant::u4_blocks::Size::of(weight.read_as).expect("a 4-bit block format");
+                        layout.u4_blocks(&parts, size)
+                    }
                     GgmlType::F8E4M3B32 => layout.blocks_of_32(&parts),
                     dtype => layout.dequantize(&parts, dtype),
                 }

@@ -134,7 +134,7 @@ impl WeightSource {
                 None => elements.push((dtype, count)),
             }
         }
-        let fp8 = |t: &(GgmlType, usize)| matches!(t.0, GgmlType::F8E4M3B32 | GgmlType::U4B32);
+        let fp8 = |t: &(GgmlType, usize)| matches!(t.0, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128);
         let counted = match elements.iter().all(fp8) {
             true => elements,
             false => elements.into_iter().filter(|t| !fp8(t)).collect(),
@@ -161,7 +161,8 @@ impl WeightSource {
     /// where bbc knows how (`fp8`: [`fp8_on_load`](crate::fp8_on_load)); random weights (made
     /// in memory, vLLM's `--load-format dummy`) also as the 4-bit blocks a GPTQ, AWQ or
     /// compressed-tensors checkpoint is held as (`gptq`, `awq`, `compressed-tensors`: each
-    /// block rounded to nearest, `quant::u4_blocks::quantize_matrix`). Anything else is
+    /// block rounded to nearest, `quant::u4_blocks::quantize_matrix`, blocks of 128 where the
+    /// rows are whole blocks of 128, as groups of 128 are held, else of 32). Anything else is
     /// refused, naming what the weights hold.
     pub fn quantize_as(&mut self, asked: &str) -> Result<()> {
         let named = crate::checkpoint_quantization::method_named(asked);
@@ -196,11 +197,14 @@ impl WeightSource {
                             dtype: tensor.dtype,
                             bytes: &tensor.bytes,
                         };
-                        tensor.bytes = match blocks {
-                            GgmlType::U4B32 => quant::u4_blocks::quantize_matrix(&view),
-                            _ => crate::fp8_on_load::quantize(&view),
+                        (tensor.bytes, tensor.dtype) = match blocks {
+                            GgmlType::U4B32 => {
+                                let size = quant::u4_blocks::Size::widest(tensor.shape[1], None)
+                                    .expect("rows of whole blocks of 32");
+                                (quant::u4_blocks::quantize_matrix(&view, size), size.format())
+                            }
+                            _ => (crate::fp8_on_load::quantize(&view), blocks),
                         };
-                        tensor.dtype = blocks;
                         count += 1;
                     }
                 }

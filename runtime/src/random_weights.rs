@@ -157,7 +157,13 @@ pub(crate) fn make_weight<D: PlanDevice>(
             };
             let blocks = match w.dtype {
                 DType::F8E4M3B32 => Some((quant::fp8_blocks::quantize_matrix(&view), quant::GgmlType::F8E4M3B32)),
-                DType::U4B32 => Some((quant::u4_blocks::quantize_matrix(&view), quant::GgmlType::U4B32)),
+                DType::U4B32 | DType::U4B128 => {
+                    let size = match w.dtype {
+                        DType::U4B32 => quant::u4_blocks::Size::Of32,
+                        _ => quant::u4_blocks::Size::Of128,
+                    };
+                    Some((quant::u4_blocks::quantize_matrix(&view, size), size.format()))
+                }
                 _ => None,
             };
             if let Some((bytes, dtype)) = blocks {

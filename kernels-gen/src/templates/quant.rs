@@ -11,7 +11,7 @@
 //! elements; IQ4_NL's nibbles through the IQ4 table, `UnOp::Iq4Value`), or one 32-element
 //! sub-block of a 256-element super-block (`k_sub_block_weights`: its scales and mins decoded
 //! once — Q4_K/Q5_K's 6-bit pair, the two 16-weight groups' of Q2_K, Q3_K and Q6_K, IQ4_XS's
-//! run scale).
+//! run scale), or one run of 32 of a block of 128 4-bit levels (its scale and offset).
 
 use crate::dsl::*;
 use ir::DType;
@@ -34,6 +34,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::IQ4XS => (256, 136),
         DType::F8E4M3B32 => (32, 36),
         DType::U4B32 => (32, 24),
+        DType::U4B128 => (128, 72),
         _ => return None,
     })
 }
@@ -152,6 +153,15 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
         DType::F8E4M3B32 => fp8(base() + int(4) + j()) * f32_at(base()),
         DType::U4B32 => f32_at(base()) * f32_of(nibble(base() + int(8))) + f32_at(base() + int(4)),
+        DType::U4B128 => {
+            // Run j / 32 of 16 level bytes: low nibbles its first 16 weights, high ones the rest.
+            s.push(let_(&t("r"), Ty::I32, j() / int(32)));
+            s.push(let_(&t("l"), Ty::I32, rem(j(), int(32))));
+            let (r, l) = (|| var(&t("r")), || var(&t("l")));
+            let packed = byte(base() + int(8) + r() * int(16) + rem(l(), int(16)));
+            let level = mask_bits(shr(packed, select(lt(l(), int(16)), int(0), int(4))), 15);
+            f32_at(base()) * f32_of(level) + f32_at(base() + int(4))
+        }
         DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
         DType::IQ4NL => half(base()) * f32_of(iq4_value(nibble(base() + int(2)))),
         DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
@@ -267,7 +277,7 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
         return fp8_block_weights(prefix, base, elements);
     }
     if format == DType::U4B32 {
-        return u4_block_weights(prefix, base, elements);
+        return u4_block_weights(prefix, base, None, elements);
     }
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
     let (qs, offset, with_min, qh) = match format {
@@ -363,11 +373,12 @@ fn fp8_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<St
     s
 }
 
-/// [`block_weights`] of a block of 4-bit levels (`quant::u4_blocks`): its f32 scale and
-/// offset, then four bytes of levels a load (a block is 24 bytes, so every word of it is
-/// aligned), each byte two weights, element `j`'s level and element `j + 16`'s; each weight its
-/// level times the scale plus the offset.
-fn u4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
+/// [`block_weights`] of a run of 32 4-bit levels (`quant::u4_blocks`; a block of 32, or run
+/// `run` of a block of 128): the block's f32 scale and offset, then four bytes of the run's
+/// levels a load (blocks are 24 or 72 bytes, so every word of them is aligned), each byte two
+/// weights, element `j`'s level and element `j + 16`'s; each weight its level times the scale
+/// plus the offset.
+fn u4_block_weights(prefix: &str, base: Expr, run: Option<Expr>, elements: Range<usize>) -> Vec<Stmt> {
     let at = |offset: i64| var("blk_at") + int(offset);
     let words = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
     let (scale, offset) = (words("s"), words("m"));
@@ -376,6 +387,15 @@ fn u4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stm
         load_vec("w", at(0), &scale),
         load_vec("w", at(4), &offset),
     ];
+    // Where the run's levels start: right after the scale and offset in a block of 32.
+    let runs = run.is_some();
+    if let Some(run) = run {
+        s.push(let_("blk_qs", Ty::I32, at(8) + run * int(16)));
+    }
+    let level_word = |word: i64| match runs {
+        true => var("blk_qs") + int(4 * word),
+        false => at(8 + 4 * word),
+    };
     s.push(let_("blk_d", Ty::F32, f32_of_bytes(scale.iter().map(|b| var(b)))));
     s.push(let_("blk_m", Ty::F32, f32_of_bytes(offset.iter().map(|b| var(b)))));
     for word in 0..4 {
@@ -387,7 +407,7 @@ fn u4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stm
             continue;
         }
         let names: Vec<String> = bytes.clone().map(|j| format!("blk_b{j}")).collect();
-        s.push(load_vec("w", at(8 + 4 * word as i64), &names));
+        s.push(load_vec("w", level_word(word as i64), &names));
         for (j, b) in bytes.zip(&names) {
             for (e, level) in [(j, mask_bits(var(b), 15)), (j + 16, shr(var(b), int(4)))] {
                 if elements.contains(&e) {
@@ -404,10 +424,13 @@ fn u4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stm
 }
 
 /// Statements declaring f32 locals `{prefix}e` for `e` in `elements` (of `0..32`): those
-/// weights of sub-block `sub` (0..8) of the K-quant super-block at byte `base`, each computed
-/// as `dequant` computes it (the same operations in the same order), with the sub-block's
-/// scales decoded once.
+/// weights of sub-block `sub` (0..8) of the K-quant super-block at byte `base` (or run `sub`,
+/// 0..4, of a block of 128 4-bit levels), each computed as `dequant` computes it (the same
+/// operations in the same order), with the sub-block's scales decoded once.
 pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr, elements: Range<usize>) -> Vec<Stmt> {
+    if format == DType::U4B128 {
+        return u4_block_weights(prefix, base, Some(sub), elements);
+    }
     let at = |offset: Expr| var("blk_at") + offset;
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("q_sub", Ty::I32, sub)];
     let weight = |e: usize| format!("{prefix}{e}");
@@ -549,7 +572,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr, e
 
 /// Statements declaring f32 locals `{prefix}e` for `e` in `elements` (of `0..32`): those
 /// elements of run `run` in a stream of whole blocks of `format` from byte 0 (a 32-element
-/// format's block `run`, or sub-block `run mod 8` of super-block `run / 8`), through
+/// format's block `run`, or sub-block `run mod n` of super-block `run / n`, `n` its runs of 32), through
 /// [`block_weights`] or [`k_sub_block_weights`]: scales decoded once for them all.
 pub fn run_weights(format: DType, prefix: &str, run: Expr, elements: Range<usize>) -> Vec<Stmt> {
     let (block_elements, bytes) = block_layout(format).expect("a block format");
@@ -563,12 +586,12 @@ pub fn run_weights(format: DType, prefix: &str, run: Expr, elements: Range<usize
     }
 }
 
-/// Whether `k_sub_block_weights` decodes `format` (a 256-element super-block: a K-quant or
-/// IQ4_XS).
+/// Whether `k_sub_block_weights` decodes `format` (a 256-element super-block of a K-quant or
+/// IQ4_XS, or a block of 128 4-bit levels: runs of 32 under shared scales).
 pub fn decodes_sub_blocks(format: DType) -> bool {
     matches!(
         format,
-        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS
+        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS | DType::U4B128
     )
 }
 

@@ -62,7 +62,7 @@ pub trait BlockFormat {
 
 /// Element types of GGUF tensors that bbc reads (discriminants are ggml's type ids), and FP8
 /// and integer checkpoints' weights as bbc holds them ([`GgmlType::F8E4M3B32`],
-/// [`GgmlType::U4B32`], in no GGUF file).
+/// [`GgmlType::U4B32`], [`GgmlType::U4B128`], in no GGUF file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GgmlType {
     F32 = 0,
@@ -86,6 +86,9 @@ pub enum GgmlType {
     /// bbc's own ([`u4_blocks`]): 4-bit levels in blocks of 32 with an f32 scale and offset,
     /// as an integer checkpoint's 4-bit weights are held. In no GGUF file either.
     U4B32 = 1001,
+    /// [`U4B32`](Self::U4B32)'s levels in blocks of 128 under one scale and offset, where a
+    /// checkpoint's groups allow them.
+    U4B128 = 1002,
 }
 
 impl GgmlType {
@@ -172,6 +175,7 @@ impl GgmlType {
             Self::IQ4XS => "IQ4_XS",
             Self::F8E4M3B32 => "F8_E4M3_B32",
             Self::U4B32 => "U4_B32",
+            Self::U4B128 => "U4_B128",
         }
     }
 
@@ -193,7 +197,10 @@ impl GgmlType {
             Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
             Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
             Self::F8E4M3B32 => (fp8_blocks::BLOCK_ELEMS, fp8_blocks::BLOCK_BYTES),
-            Self::U4B32 => (u4_blocks::BLOCK_ELEMS, u4_blocks::BLOCK_BYTES),
+            Self::U4B32 | Self::U4B128 => {
+                let size = u4_blocks::Size::of(self).expect("a 4-bit block format");
+                (size.elems(), size.bytes())
+            }
         }
     }
 
@@ -253,11 +260,9 @@ impl GgmlType {
                     fp8_blocks::dequantize_block(block, out);
                 }
             }
-            Self::U4B32 => {
-                for (block, out) in data
-                    .chunks_exact(u4_blocks::BLOCK_BYTES)
-                    .zip(out.chunks_exact_mut(u4_blocks::BLOCK_ELEMS))
-                {
+            Self::U4B32 | Self::U4B128 => {
+                let (elems, bytes) = self.block_layout();
+                for (block, out) in data.chunks_exact(bytes).zip(out.chunks_exact_mut(elems)) {
                     u4_blocks::dequantize_block(block, out);
                 }
             }
@@ -279,7 +284,7 @@ impl GgmlType {
             Self::Q3K => dot_blocks::<Q3K>(data, x),
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
-            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::U4B32 => {
+            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::U4B32 | Self::U4B128 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
                 row.iter().zip(x).map(|(a, b)| a * b).sum()

@@ -93,6 +93,7 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::IQ4XS => ir::DType::IQ4XS,
         GgmlType::F8E4M3B32 => ir::DType::F8E4M3B32,
         GgmlType::U4B32 => ir::DType::U4B32,
+        GgmlType::U4B128 => ir::DType::U4B128,
     }
 }
 
@@ -102,21 +103,33 @@ pub(crate) fn quantize_blocks_of_32<const N: usize>(
     view: &TensorView<'_>,
     quantize_block: impl Fn(&[f32]) -> [u8; N] + Sync,
 ) -> Vec<u8> {
+    quantize_blocks(view, 32, N, |x, out| out.copy_from_slice(&quantize_block(x)))
+}
+
+/// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of `elems`)
+/// in blocks of `elems` weights, `bytes` each, written by `quantize_block(weights, block)`,
+/// row by row on the pool.
+pub(crate) fn quantize_blocks(
+    view: &TensorView<'_>,
+    elems: usize,
+    bytes: usize,
+    quantize_block: impl Fn(&[f32], &mut [u8]) + Sync,
+) -> Vec<u8> {
     use rayon::prelude::*;
     let [rows, cols] = view.shape[..] else {
         panic!("a matrix to quantize has two dims, not {:?}", view.shape)
     };
-    assert!(view.dtype.block_layout().0 == 1 && cols % 32 == 0);
+    assert!(view.dtype.block_layout().0 == 1 && cols % elems == 0);
     let row_bytes = view.dtype.block_layout().1 * cols;
-    let mut out = vec![0u8; rows * cols / 32 * N];
-    out.par_chunks_mut(cols / 32 * N)
+    let mut out = vec![0u8; rows * cols / elems * bytes];
+    out.par_chunks_mut(cols / elems * bytes)
         .zip(view.bytes.par_chunks(row_bytes))
         .for_each_init(
             || vec![0f32; cols],
             |row, (blocks, stored)| {
                 view.dtype.dequantize(stored, row);
-                for (x, out) in row.chunks_exact(32).zip(blocks.chunks_exact_mut(N)) {
-                    out.copy_from_slice(&quantize_block(x));
+                for (x, out) in row.chunks_exact(elems).zip(blocks.chunks_exact_mut(bytes)) {
+                    quantize_block(x, out);
                 }
             },
         );

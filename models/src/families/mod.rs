@@ -208,7 +208,7 @@ pub fn lower_without_weights_in_blocks(
     options: LowerOptions,
     blocks: Option<GgmlType>,
 ) -> Result<Graph> {
-    if let Some(other) = blocks.filter(|b| !matches!(b, GgmlType::F8E4M3B32 | GgmlType::U4B32)) {
+    if let Some(other) = blocks.filter(|b| !matches!(b, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128)) {
         return Err(ModelError::Quantization {
             asked: other.name().to_string(),
             what: "a model without weights is held in FP8 or 4-bit blocks only".into(),
@@ -256,7 +256,7 @@ pub fn with_greedy_token(graph: &Graph) -> Result<Graph> {
 /// it loads, or an FP8 or integer checkpoint not read into another type).
 pub(crate) fn matrix_dtype(compute: ComputeDtype, storage: GgmlType) -> DType {
     match compute {
-        _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32) => ir_dtype(storage),
+        _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128) => ir_dtype(storage),
         ComputeDtype::F32 => DType::F32,
         ComputeDtype::Bf16 => DType::BF16,
         ComputeDtype::F16 => DType::F16,
@@ -492,7 +492,8 @@ enum Catalog<'w> {
     /// A target's tensors and an EAGLE head's beside them (`eagle::HEAD_PREFIX`).
     WithEagleHead(crate::eagle::HeadWeights<'w>),
     /// No weights: see [`lower_without_weights`]; with `blocks`, those a checkpoint quantized
-    /// as it loads would quantize are held as such blocks ([`lower_without_weights_in_blocks`]).
+    /// as it loads would quantize are held as such blocks ([`lower_without_weights_in_blocks`];
+    /// 4-bit blocks of either size as wide as each matrix's rows allow).
     Implied { blocks: Option<GgmlType> },
 }
 
@@ -515,7 +516,13 @@ impl Catalog<'_> {
             Self::Implied { blocks: Some(blocks) }
                 if crate::fp8_on_load::quantizes(name, Self::IMPLIED_STORAGE, shape) =>
             {
-                Ok(*blocks)
+                // 4-bit blocks as wide as the rows allow, as random weights quantized as they
+                // load are held (`WeightSource::quantize_as`).
+                Ok(match quant::u4_blocks::Size::of(*blocks) {
+                    Some(_) => quant::u4_blocks::Size::widest(shape[shape.len() - 1], None)
+                        .map_or(*blocks, |size| size.format()),
+                    None => *blocks,
+                })
             }
             Self::Implied { .. } => Ok(Self::IMPLIED_STORAGE),
         }

@@ -28,9 +28,11 @@ pub enum DenseRows<'a> {
     /// FP8 blocks (`quant::fp8_blocks`, `cols` a multiple of 32) that all widen by halves
     /// (`fp8_rows::widens_by_halves`): each weight its code's value times its block's scale.
     Fp8(&'a [Fp8Byte]),
-    /// 4-bit blocks (`quant::u4_blocks`, `cols` a multiple of 32): each weight its level times
-    /// its block's scale plus its offset.
-    U4(&'a [U4Byte]),
+    /// 4-bit blocks of 32 (`quant::u4_blocks`, `cols` a multiple of 32): each weight its
+    /// level times its block's scale plus its offset.
+    U4B32(&'a [U4Byte<32>]),
+    /// The same in blocks of 128 (`cols` a multiple of 128).
+    U4B128(&'a [U4Byte<128>]),
 }
 
 /// A byte of FP8 blocks (a scale's or a code's), as the tile kernels address them.
@@ -46,15 +48,15 @@ impl Fp8Byte {
     }
 }
 
-/// A byte of 4-bit blocks (a scale's, an offset's or two levels), as the tile kernels address
-/// them.
+/// A byte of 4-bit blocks of `ELEMS` weights (a scale's, an offset's or two levels), as the
+/// tile kernels address them.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
-pub struct U4Byte(u8);
+pub struct U4Byte<const ELEMS: usize>(u8);
 
-impl U4Byte {
+impl<const ELEMS: usize> U4Byte<ELEMS> {
     /// 4-bit blocks as the tile kernels read them.
-    pub fn of(blocks: &[u8]) -> &[U4Byte] {
+    pub fn of(blocks: &[u8]) -> &[U4Byte<ELEMS>] {
         // SAFETY: `U4Byte` is a transparent `u8`.
         unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
     }
@@ -176,8 +178,12 @@ impl Tile {
                 assert!(cols.is_multiple_of(BLOCK_ELEMS));
                 self.compute_with(kernel, w, cols, x, values)
             }
-            DenseRows::U4(w) => {
-                assert!(cols.is_multiple_of(u4_blocks::BLOCK_ELEMS));
+            DenseRows::U4B32(w) => {
+                assert!(cols.is_multiple_of(32));
+                self.compute_with(kernel, w, cols, x, values)
+            }
+            DenseRows::U4B128(w) => {
+                assert!(cols.is_multiple_of(128));
                 self.compute_with(kernel, w, cols, x, values)
             }
         }
@@ -373,35 +379,36 @@ impl Fp8Byte {
 
 /// 4-bit blocks widen each level to f32, times the block's scale, plus its offset, as
 /// `u4_blocks::dequantize_block` computes them (a product and a sum, each rounded). Rows are
-/// whole blocks, so a chunk of 8 or 16 weights lies in one block: 16 are the low or the high
-/// nibbles of its 16 level bytes, 8 half of those.
-impl Widen for U4Byte {
+/// whole blocks, so a chunk of 8 or 16 weights lies in one block and one run of 32 of it: 16
+/// are the low or the high nibbles of the run's 16 level bytes, 8 half of those.
+impl<const ELEMS: usize> Widen for U4Byte<ELEMS> {
     #[inline(always)]
     fn stride(cols: usize) -> usize {
         Self::block_start(cols)
     }
     #[inline(always)]
     fn index(c: usize) -> usize {
-        Self::block_start(c) + u4_blocks::LEVELS_AT + c % 16
+        Self::block_start(c) + u4_blocks::level_at(c % ELEMS).0
     }
-    unsafe fn weight(row: *const U4Byte, c: usize) -> f32 {
+    unsafe fn weight(row: *const U4Byte<ELEMS>, c: usize) -> f32 {
         // SAFETY: as the caller promises: the block holding weight `c` lies there.
         let block = unsafe { Self::block(row, c) };
         let (scale, offset) = u4_blocks::scale_offset(block);
-        f32::from(u4_blocks::level(block, c % u4_blocks::BLOCK_ELEMS)) * scale + offset
+        f32::from(u4_blocks::level(block, c % ELEMS)) * scale + offset
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load512(row: *const U4Byte, at: usize) -> std::arch::x86_64::__m512 {
+    unsafe fn load512(row: *const U4Byte<ELEMS>, at: usize) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's kernel has AVX-512F; the chunk's block lies within the row.
         unsafe {
             let (block, scale, offset) = Self::scaled_block(row, at);
-            let bytes = _mm_loadu_si128(block.add(u4_blocks::LEVELS_AT).cast());
+            let (bytes_at, high) = u4_blocks::level_at(at % ELEMS);
+            let bytes = _mm_loadu_si128(block.add(bytes_at).cast());
             let wide = _mm512_cvtepu8_epi32(bytes);
-            let levels = match at % u4_blocks::BLOCK_ELEMS {
-                0 => _mm512_and_si512(wide, _mm512_set1_epi32(15)),
-                _ => _mm512_srli_epi32(wide, 4),
+            let levels = match high {
+                false => _mm512_and_si512(wide, _mm512_set1_epi32(15)),
+                true => _mm512_srli_epi32(wide, 4),
             };
             _mm512_add_ps(
                 _mm512_mul_ps(_mm512_cvtepi32_ps(levels), _mm512_set1_ps(scale)),
@@ -411,17 +418,17 @@ impl Widen for U4Byte {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load256(row: *const U4Byte, at: usize) -> std::arch::x86_64::__m256 {
+    unsafe fn load256(row: *const U4Byte<ELEMS>, at: usize) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's kernel has AVX2; as above.
         unsafe {
             let (block, scale, offset) = Self::scaled_block(row, at);
-            let chunk = at % u4_blocks::BLOCK_ELEMS;
-            let bytes = _mm_loadl_epi64(block.add(u4_blocks::LEVELS_AT + chunk % 16).cast());
+            let (bytes_at, high) = u4_blocks::level_at(at % ELEMS);
+            let bytes = _mm_loadl_epi64(block.add(bytes_at).cast());
             let wide = _mm256_cvtepu8_epi32(bytes);
-            let levels = match chunk < 16 {
-                true => _mm256_and_si256(wide, _mm256_set1_epi32(15)),
-                false => _mm256_srli_epi32(wide, 4),
+            let levels = match high {
+                false => _mm256_and_si256(wide, _mm256_set1_epi32(15)),
+                true => _mm256_srli_epi32(wide, 4),
             };
             _mm256_add_ps(
                 _mm256_mul_ps(_mm256_cvtepi32_ps(levels), _mm256_set1_ps(scale)),
@@ -431,11 +438,14 @@ impl Widen for U4Byte {
     }
 }
 
-impl U4Byte {
+impl<const ELEMS: usize> U4Byte<ELEMS> {
+    /// Bytes of a block.
+    const BLOCK_BYTES: usize = u4_blocks::LEVELS_AT + ELEMS / 2;
+
     /// Where the block holding weight `c` of a row starts, in bytes from the row's start.
     #[inline(always)]
     fn block_start(c: usize) -> usize {
-        c / u4_blocks::BLOCK_ELEMS * u4_blocks::BLOCK_BYTES
+        c / ELEMS * Self::BLOCK_BYTES
     }
 
     /// The block holding weight `c` of the row at `row`.
@@ -443,9 +453,9 @@ impl U4Byte {
     /// # Safety
     /// The row holds that block.
     #[inline(always)]
-    unsafe fn block<'a>(row: *const U4Byte, c: usize) -> &'a [u8] {
+    unsafe fn block<'a>(row: *const U4Byte<ELEMS>, c: usize) -> &'a [u8] {
         // SAFETY: as the caller promises.
-        unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), u4_blocks::BLOCK_BYTES) }
+        unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), Self::BLOCK_BYTES) }
     }
 
     /// The start of the block holding weight `c` of the row at `row`, its scale and its offset,
@@ -455,7 +465,7 @@ impl U4Byte {
     /// # Safety
     /// The row holds that block.
     #[inline(always)]
-    unsafe fn scaled_block(row: *const U4Byte, c: usize) -> (*const u8, f32, f32) {
+    unsafe fn scaled_block(row: *const U4Byte<ELEMS>, c: usize) -> (*const u8, f32, f32) {
         // SAFETY: as the caller promises: the block's first eight bytes are its scale and
         // offset, little-endian f32s (x86 is little-endian).
         unsafe {
@@ -774,25 +784,31 @@ mod tests {
         }
     }
 
-    /// 4-bit blocks widened as the tiles load them: each product is `simd::dot`'s bits over the
-    /// blocks' weights (level × scale + offset), for every level,
+    /// 4-bit blocks of either size widened as the tiles load them: each product is
+    /// `simd::dot`'s bits over the blocks' weights (level × scale + offset), for every level,
     /// under scales of both signs, offsets of every zero point, and magnitudes that keep
     /// products normal or make them subnormal.
     #[test]
     fn u4_products_are_simd_dots_bit_for_bit() {
+        use quant::u4_blocks::Size::{Of128, Of32};
         let rows = 11;
         for kernel in DenseKernel::available() {
-            for cols in [32, 96] {
-                let blocks: Vec<u8> = (0..rows * cols / 32)
+            for (size, cols) in [(Of32, 32), (Of32, 96), (Of128, 128), (Of128, 384)] {
+                let elems = size.elems();
+                let blocks: Vec<u8> = (0..rows * cols / elems)
                     .flat_map(|b| {
-                        let levels: [u8; 32] = std::array::from_fn(|i| ((b * 32 + i) * 7 % 16) as u8);
+                        let levels: Vec<u8> = (0..elems).map(|i| ((b * elems + i) * 7 / 3 % 16) as u8).collect();
                         let scale = [0.013, -2.5, 3.0e-38, 1.7e35, 1.0 / (b + 3) as f32][b % 5];
                         quant::u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
                     })
                     .collect();
                 let mut widened = vec![0f32; rows * cols];
-                quant::GgmlType::U4B32.dequantize(&blocks, &mut widened);
-                check_against_dot(kernel, DenseRows::U4(U4Byte::of(&blocks)), &widened, cols, rows);
+                size.format().dequantize(&blocks, &mut widened);
+                let weights = match size {
+                    Of32 => DenseRows::U4B32(U4Byte::of(&blocks)),
+                    Of128 => DenseRows::U4B128(U4Byte::of(&blocks)),
+                };
+                check_against_dot(kernel, weights, &widened, cols, rows);
             }
         }
     }

@@ -22,7 +22,7 @@ use crate::cpu::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
 use crate::cpu::quant::interleaved::{InterleavedRows, GROUP};
 use crate::cpu::quant::interleaved_k::InterleavedSuperRows;
 use half::bf16;
-use quant::GgmlType;
+use quant::{u4_blocks, GgmlType};
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::thread::LocalKey;
@@ -46,9 +46,9 @@ pub enum Storage {
     /// FP8 weights as held (`quant::fp8_blocks`: 32 codes and their f32 scale a block), each
     /// row widened to f32 as it is multiplied.
     Fp8Blocks(Fp8Blocks),
-    /// 4-bit weights as held (`quant::u4_blocks`: 32 levels, their f32 scale and offset a
-    /// block), widened to f32 as they are multiplied.
-    U4Blocks(Vec<u8>),
+    /// 4-bit weights as held (`quant::u4_blocks`: 32 or 128 levels, their f32 scale and
+    /// offset a block), widened to f32 as they are multiplied.
+    U4Blocks(u4_blocks::Size, Vec<u8>),
 }
 
 /// FP8 blocks, and whether every one widens by halves (`fp8_rows::widens_by_halves`: no NaN
@@ -82,12 +82,12 @@ impl Storage {
                 )),
             };
         }
-        if dtype == GgmlType::U4B32 {
+        if let Some(size) = u4_blocks::Size::of(dtype) {
             return match row_bytes > 0
-                && row_bytes.is_multiple_of(quant::u4_blocks::BLOCK_BYTES)
+                && row_bytes.is_multiple_of(size.bytes())
                 && bytes.len().is_multiple_of(row_bytes)
             {
-                true => Ok(Storage::U4Blocks(bytes)),
+                true => Ok(Storage::U4Blocks(size, bytes)),
                 false => Err(format!(
                     "{} rows of {row_bytes} bytes are not whole blocks",
                     dtype.name()
@@ -120,9 +120,9 @@ impl Storage {
         cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
     }
 
-    /// Bytes a row of 4-bit blocks `cols` wide.
-    fn u4_row_bytes(cols: usize) -> usize {
-        cols / quant::u4_blocks::BLOCK_ELEMS * quant::u4_blocks::BLOCK_BYTES
+    /// Bytes a row of 4-bit blocks of `size` `cols` wide.
+    fn u4_row_bytes(size: u4_blocks::Size, cols: usize) -> usize {
+        cols / size.elems() * size.bytes()
     }
 
     /// Whether it holds GGUF blocks (in either layout).
@@ -146,7 +146,7 @@ impl Matrix {
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
             Storage::Fp8Blocks(blocks) => blocks.bytes.len(),
-            Storage::U4Blocks(blocks) => blocks.len(),
+            Storage::U4Blocks(_, blocks) => blocks.len(),
         }
     }
 
@@ -180,9 +180,10 @@ impl Matrix {
                 GgmlType::F8E4M3B32.dequantize(&blocks.bytes[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
-            Storage::U4Blocks(blocks) => {
-                let row_bytes = Storage::u4_row_bytes(c);
-                GgmlType::U4B32.dequantize(&blocks[r * row_bytes..(r + 1) * row_bytes], out);
+            Storage::U4Blocks(size, blocks) => {
+                let row_bytes = Storage::u4_row_bytes(*size, c);
+                size.format()
+                    .dequantize(&blocks[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
         }
@@ -250,11 +251,14 @@ impl Matrix {
             });
             return;
         }
-        if let (Storage::U4Blocks(blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
+        if let (Storage::U4Blocks(size, blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
             // However many tokens: widening 16 levels in registers costs less than a pass that
             // widens rows first (`benches/batched_step.rs`, a 0.45 B-weight Llama shape of 4-bit
             // blocks, two cores: 48 and 64 sequences 10% and 3% faster, a 512-token prompt 5%).
-            let weights = DenseRows::U4(dense::U4Byte::of(blocks));
+            let weights = match size {
+                u4_blocks::Size::Of32 => DenseRows::U4B32(dense::U4Byte::of(blocks)),
+                u4_blocks::Size::Of128 => DenseRows::U4B128(dense::U4Byte::of(blocks)),
+            };
             products_by_runs(rows, out, |run, _, write| {
                 dense::products(kernel, weights, k, run, x, tokens, write)
             });
@@ -312,10 +316,13 @@ impl Matrix {
                 Storage::Fp8Blocks(blocks) => Some(&blocks.bytes),
                 _ => None,
             })?)),
-            Storage::U4Blocks(_) => Storage::U4Blocks(collect(parts, |s| match s {
-                Storage::U4Blocks(blocks) => Some(blocks),
-                _ => None,
-            })?),
+            Storage::U4Blocks(size, _) => Storage::U4Blocks(
+                *size,
+                collect(parts, |s| match s {
+                    Storage::U4Blocks(other, blocks) if other == size => Some(blocks),
+                    _ => None,
+                })?,
+            ),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
@@ -352,9 +359,10 @@ impl Matrix {
                 Storage::fp8_row_bytes(self.cols),
                 &picked,
             ))),
-            Storage::U4Blocks(blocks) => {
-                Storage::U4Blocks(gather_rows(blocks, Storage::u4_row_bytes(self.cols), &picked))
-            }
+            Storage::U4Blocks(size, blocks) => Storage::U4Blocks(
+                *size,
+                gather_rows(blocks, Storage::u4_row_bytes(*size, self.cols), &picked),
+            ),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)?
@@ -378,7 +386,7 @@ impl Matrix {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
             Storage::F16(v) => Storage::F16(order().map(|i| v[i]).collect()),
-            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) | Storage::U4Blocks(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) | Storage::U4Blocks(..) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -703,23 +711,40 @@ mod tests {
     /// weights.
     #[test]
     fn u4_block_rows_multiply_their_products() {
-        let (rows, cols) = (40, 96);
-        let blocks: Vec<u8> = (0..rows * cols / 32)
-            .flat_map(|b| {
-                let levels: [u8; 32] = std::array::from_fn(|i| ((((b * 32 + i) * 2654435761usize) >> 11) % 16) as u8);
-                let scale = half::f16::from_f32(0.01 + b as f32 * 0.003).to_f32();
-                quant::u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
-            })
-            .collect();
-        let row_bytes = cols / 32 * 24;
-        assert!(Storage::block_rows(GgmlType::U4B32, blocks.clone(), row_bytes - 1).is_err());
-        let storage = Storage::block_rows(GgmlType::U4B32, blocks.clone(), row_bytes).unwrap();
-        let m = Matrix { rows, cols, storage };
-        assert_eq!(m.bytes(), blocks.len());
-        let mut weights = vec![0f32; rows * cols];
-        GgmlType::U4B32.dequantize(&blocks, &mut weights);
-        check_products(&m, &weights, &[1, 5, 36], None);
-        check_rows_kept(&m, &weights);
+        use u4_blocks::Size::{Of128, Of32};
+        for (size, rows, cols) in [(Of32, 40, 96), (Of128, 40, 256)] {
+            let elems = size.elems();
+            let blocks: Vec<u8> = (0..rows * cols / elems)
+                .flat_map(|b| {
+                    let levels: Vec<u8> = (0..elems)
+                        .map(|i| ((((b * elems + i) * 2654435761usize) >> 11) % 16) as u8)
+                        .collect();
+                    let scale = half::f16::from_f32(0.01 + b as f32 * 0.003).to_f32();
+                    u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
+                })
+                .collect();
+            let row_bytes = cols / elems * size.bytes();
+            assert!(Storage::block_rows(size.format(), blocks.clone(), row_bytes - 1).is_err());
+            let storage = Storage::block_rows(size.format(), blocks.clone(), row_bytes).unwrap();
+            let m = Matrix { rows, cols, storage };
+            assert_eq!(m.bytes(), blocks.len());
+            let mut weights = vec![0f32; rows * cols];
+            size.format().dequantize(&blocks, &mut weights);
+            check_products(&m, &weights, &[1, 5, 36], None);
+            check_rows_kept(&m, &weights);
+        }
+        // Blocks of the two sizes do not stack.
+        let of = |size: u4_blocks::Size| {
+            let blocks = vec![0u8; size.bytes() * 128 / size.elems()];
+            let storage = Storage::block_rows(size.format(), blocks, 128 / size.elems() * size.bytes()).unwrap();
+            Matrix {
+                rows: 1,
+                cols: 128,
+                storage,
+            }
+        };
+        assert!(Matrix::stack_rows(&[&of(Of32), &of(Of128)]).is_err());
+        assert_eq!(Matrix::stack_rows(&[&of(Of128), &of(Of128)]).unwrap().rows, 2);
     }
 
     /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,

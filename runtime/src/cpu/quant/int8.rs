@@ -411,7 +411,12 @@ impl UnpackedRow {
             GgmlType::Q3K => self.unpack_with::<Q3K>(row),
             GgmlType::IQ4NL => self.unpack_with::<IQ4NL>(row),
             GgmlType::IQ4XS => self.unpack_with::<IQ4XS>(row),
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::F8E4M3B32 | GgmlType::U4B32 => return None,
+            GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::F8E4M3B32
+            | GgmlType::U4B32
+            | GgmlType::U4B128 => return None,
         }
         Some(())
     }
