@@ -33,6 +33,9 @@ pub enum DType {
     U4B32,
     /// The same in blocks of 128 (`quant::u4_blocks`), where the checkpoint's groups allow.
     U4B128,
+    /// FP4 E2M1 codes in blocks of 32 with an f32 scale for each 16 (`quant::fp4_blocks`): an
+    /// NVFP4 checkpoint's weights, each its code's value times its scale.
+    F4E2M1B32,
 }
 
 impl DType {
@@ -58,6 +61,7 @@ impl DType {
             Self::F8E4M3B32 => "f8_e4m3_b32",
             Self::U4B32 => "u4_b32",
             Self::U4B128 => "u4_b128",
+            Self::F4E2M1B32 => "f4_e2m1_b32",
         }
     }
 
@@ -83,6 +87,7 @@ impl DType {
             Self::F8E4M3B32,
             Self::U4B32,
             Self::U4B128,
+            Self::F4E2M1B32,
         ]
         .into_iter()
         .find(|d| d.name() == s)

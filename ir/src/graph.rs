@@ -330,6 +330,7 @@ mod tests {
             (DType::F8E4M3B32, DType::F32),
             (DType::U4B32, DType::F32),
             (DType::U4B128, DType::F32),
+            (DType::F4E2M1B32, DType::F32),
         ] {
             let mut g = Graph::new("t");
             let w = g.weight("w", &[8, 64], stored);

@@ -34,13 +34,15 @@ fn ggml(format: DType) -> GgmlType {
         DType::F8E4M3B32 => GgmlType::F8E4M3B32,
         DType::U4B32 => GgmlType::U4B32,
         DType::U4B128 => GgmlType::U4B128,
+        DType::F4E2M1B32 => GgmlType::F4E2M1B32,
         other => panic!("{other}"),
     }
 }
 
-/// The fixture's blocks of a GGUF format; FP8 and 4-bit blocks (which no GGUF file holds) made
-/// here: 64 of them (16 of 128 levels), every finite code or every level, scales of either sign
-/// and several magnitudes (the 4-bit blocks' exact, with the offsets of zero points 0 to 16).
+/// The fixture's blocks of a GGUF format; FP8, FP4 and 4-bit blocks (which no GGUF file holds)
+/// made here: 64 of them (16 of 128 levels), every finite code or every level, scales of either
+/// sign and several magnitudes (the 4-bit blocks' exact, with the offsets of zero points 0 to
+/// 16; the FP4 blocks' two scales different).
 fn blocks(format: DType) -> Vec<u8> {
     if matches!(format, DType::U4B32 | DType::U4B128) {
         let elems = block_layout(format).unwrap().0 as usize;
@@ -50,6 +52,16 @@ fn blocks(format: DType) -> Vec<u8> {
                 let scale = (1.0 + b as f32 / 8.0) * 2f32.powi(b as i32 % 9 - 12) * if b % 5 == 0 { -1.0 } else { 1.0 };
                 assert!(models::quant::u4_blocks::exact(scale));
                 models::quant::u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
+            })
+            .collect();
+    }
+    if format == DType::F4E2M1B32 {
+        return (0..64usize)
+            .flat_map(|b| {
+                let codes: [u8; 32] = std::array::from_fn(|i| ((b * 32 + i) * 7 / 3 % 16) as u8);
+                let scale = |k: usize| (1.0 + (b + k) as f32 / 7.0) * 2f32.powi((b + 3 * k) as i32 % 9 - 12);
+                let sign = if b % 5 == 0 { -1.0 } else { 1.0 };
+                models::quant::fp4_blocks::block([sign * scale(0), scale(1)], &codes)
             })
             .collect();
     }

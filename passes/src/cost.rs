@@ -119,6 +119,7 @@ pub fn bytes_per_element(dtype: DType) -> f64 {
         DType::F8E4M3B32 => 36.0 / 32.0,
         DType::U4B32 => 24.0 / 32.0,
         DType::U4B128 => 72.0 / 128.0,
+        DType::F4E2M1B32 => 24.0 / 32.0,
     }
 }
 

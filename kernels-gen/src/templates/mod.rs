@@ -627,7 +627,7 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
 
 /// The block formats the GPU templates read: GGUF's, FP8 checkpoints' blocks of 32, and
 /// integer checkpoints' 4-bit blocks of 32.
-pub const QUANT_FORMATS: [ir::DType; 15] = [
+pub const QUANT_FORMATS: [ir::DType; 16] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
@@ -643,6 +643,7 @@ pub const QUANT_FORMATS: [ir::DType; 15] = [
     ir::DType::F8E4M3B32,
     ir::DType::U4B32,
     ir::DType::U4B128,
+    ir::DType::F4E2M1B32,
 ];
 
 /// Qwen3.5-27B's Gated DeltaNet layers (16 key heads, 48 value heads, heads of 128).

@@ -35,6 +35,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::F8E4M3B32 => (32, 36),
         DType::U4B32 => (32, 24),
         DType::U4B128 => (128, 72),
+        DType::F4E2M1B32 => (32, 24),
         _ => return None,
     })
 }
@@ -72,6 +73,17 @@ fn f32_of_bytes(bytes: impl Iterator<Item = Expr>) -> Expr {
 /// The value of the FP8 E4M3 code at byte `i`.
 fn fp8(i: Expr) -> Expr {
     un(UnOp::Fp8ToFloat, byte(i))
+}
+/// The value of the FP4 E2M1 code `c` (0..16), built as an f32's bits: sign (bit 3) to bit
+/// 31; exponent `e` (bits 2..1, bias 1) and mantissa `m` (bit 0) to `2^(e−1) · (1 + m/2)`,
+/// or `m/2` where `e` is 0.
+fn e2m1(c: Expr) -> Expr {
+    let e = mask_bits(shr(c.clone(), int(1)), 3);
+    let m = mask_bits(c.clone(), 1);
+    let normal = bin(BinOp::Shl, e.clone() + int(126), int(23)) + bin(BinOp::Shl, m.clone(), int(22));
+    let magnitude = select(eq(e, int(0)), m * int(0x3F00_0000), normal);
+    let sign = bin(BinOp::Shl, mask_bits(c, 8), int(28));
+    un(UnOp::BitsToFloat, cast(Ty::U32, magnitude) + cast(Ty::U32, sign))
 }
 /// The IQ4 table's value at a 4-bit index.
 fn iq4_value(i: Expr) -> Expr {
@@ -153,6 +165,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
         DType::F8E4M3B32 => fp8(base() + int(4) + j()) * f32_at(base()),
         DType::U4B32 => f32_at(base()) * f32_of(nibble(base() + int(8))) + f32_at(base() + int(4)),
+        DType::F4E2M1B32 => e2m1(nibble(base() + int(8))) * f32_at(base() + select(lt(j(), int(16)), int(0), int(4))),
         DType::U4B128 => {
             // Run j / 32 of 16 level bytes: low nibbles its first 16 weights, high ones the rest.
             s.push(let_(&t("r"), Ty::I32, j() / int(32)));
@@ -261,6 +274,7 @@ pub fn decodes_whole_blocks(format: DType) -> bool {
             | DType::IQ4NL
             | DType::F8E4M3B32
             | DType::U4B32
+            | DType::F4E2M1B32
     )
 }
 
@@ -278,6 +292,9 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
     }
     if format == DType::U4B32 {
         return u4_block_weights(prefix, base, None, elements);
+    }
+    if format == DType::F4E2M1B32 {
+        return fp4_block_weights(prefix, base, elements);
     }
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
     let (qs, offset, with_min, qh) = match format {
@@ -416,6 +433,45 @@ fn u4_block_weights(prefix: &str, base: Expr, run: Option<Expr>, elements: Range
                         Ty::F32,
                         var("blk_d") * f32_of(level) + var("blk_m"),
                     ));
+                }
+            }
+        }
+    }
+    s
+}
+
+/// [`block_weights`] of a block of FP4 codes (`quant::fp4_blocks`): its two f32 scales, then
+/// four bytes of codes a load (a block is 24 bytes, so every word of it is aligned), each byte
+/// two weights, element `j`'s code (under the first scale) and element `j + 16`'s (under the
+/// second); each weight its code's value times its scale.
+fn fp4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
+    let at = |offset: i64| var("blk_at") + int(offset);
+    let words = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
+    let (low, high) = (words("s"), words("t"));
+    let mut s = vec![
+        let_("blk_at", Ty::I32, base),
+        load_vec("w", at(0), &low),
+        load_vec("w", at(4), &high),
+    ];
+    s.push(let_("blk_d0", Ty::F32, f32_of_bytes(low.iter().map(|b| var(b)))));
+    s.push(let_("blk_d1", Ty::F32, f32_of_bytes(high.iter().map(|b| var(b)))));
+    for word in 0..4 {
+        let bytes = 4 * word..4 * word + 4;
+        if !bytes
+            .clone()
+            .any(|j| elements.contains(&j) || elements.contains(&(j + 16)))
+        {
+            continue;
+        }
+        let names: Vec<String> = bytes.clone().map(|j| format!("blk_b{j}")).collect();
+        s.push(load_vec("w", at(8 + 4 * word as i64), &names));
+        for (j, b) in bytes.zip(&names) {
+            for (e, code, scale) in [
+                (j, mask_bits(var(b), 15), "blk_d0"),
+                (j + 16, shr(var(b), int(4)), "blk_d1"),
+            ] {
+                if elements.contains(&e) {
+                    s.push(let_(&format!("{prefix}{e}"), Ty::F32, e2m1(code) * var(scale)));
                 }
             }
         }

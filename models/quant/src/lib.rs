@@ -7,6 +7,7 @@
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 //! The CPU backend's integer kernels over these blocks live with it (`runtime::cpu::quant`).
 
+pub mod fp4_blocks;
 pub mod fp8_blocks;
 pub mod int8_rows;
 pub mod iq4;
@@ -62,7 +63,7 @@ pub trait BlockFormat {
 
 /// Element types of GGUF tensors that bbc reads (discriminants are ggml's type ids), and FP8
 /// and integer checkpoints' weights as bbc holds them ([`GgmlType::F8E4M3B32`],
-/// [`GgmlType::U4B32`], [`GgmlType::U4B128`], in no GGUF file).
+/// [`GgmlType::U4B32`], [`GgmlType::U4B128`], [`GgmlType::F4E2M1B32`], in no GGUF file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GgmlType {
     F32 = 0,
@@ -89,6 +90,9 @@ pub enum GgmlType {
     /// [`U4B32`](Self::U4B32)'s levels in blocks of 128 under one scale and offset, where a
     /// checkpoint's groups allow them.
     U4B128 = 1002,
+    /// bbc's own ([`fp4_blocks`]): FP4 E2M1 codes in blocks of 32 with an f32 scale for each
+    /// 16, as an NVFP4 checkpoint's weights are held.
+    F4E2M1B32 = 1003,
 }
 
 impl GgmlType {
@@ -176,6 +180,7 @@ impl GgmlType {
             Self::F8E4M3B32 => "F8_E4M3_B32",
             Self::U4B32 => "U4_B32",
             Self::U4B128 => "U4_B128",
+            Self::F4E2M1B32 => "F4_E2M1_B32",
         }
     }
 
@@ -197,6 +202,7 @@ impl GgmlType {
             Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
             Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
             Self::F8E4M3B32 => (fp8_blocks::BLOCK_ELEMS, fp8_blocks::BLOCK_BYTES),
+            Self::F4E2M1B32 => (fp4_blocks::BLOCK_ELEMS, fp4_blocks::BLOCK_BYTES),
             Self::U4B32 | Self::U4B128 => {
                 let size = u4_blocks::Size::of(self).expect("a 4-bit block format");
                 (size.elems(), size.bytes())
@@ -260,6 +266,14 @@ impl GgmlType {
                     fp8_blocks::dequantize_block(block, out);
                 }
             }
+            Self::F4E2M1B32 => {
+                for (block, out) in data
+                    .chunks_exact(fp4_blocks::BLOCK_BYTES)
+                    .zip(out.chunks_exact_mut(fp4_blocks::BLOCK_ELEMS))
+                {
+                    fp4_blocks::dequantize_block(block, out);
+                }
+            }
             Self::U4B32 | Self::U4B128 => {
                 let (elems, bytes) = self.block_layout();
                 for (block, out) in data.chunks_exact(bytes).zip(out.chunks_exact_mut(elems)) {
@@ -284,7 +298,7 @@ impl GgmlType {
             Self::Q3K => dot_blocks::<Q3K>(data, x),
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
-            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::U4B32 | Self::U4B128 => {
+            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::F4E2M1B32 | Self::U4B32 | Self::U4B128 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
                 row.iter().zip(x).map(|(a, b)| a * b).sum()

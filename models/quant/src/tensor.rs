@@ -94,6 +94,7 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::F8E4M3B32 => ir::DType::F8E4M3B32,
         GgmlType::U4B32 => ir::DType::U4B32,
         GgmlType::U4B128 => ir::DType::U4B128,
+        GgmlType::F4E2M1B32 => ir::DType::F4E2M1B32,
     }
 }
 

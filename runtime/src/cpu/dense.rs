@@ -16,7 +16,7 @@
 use super::simd;
 use half::{bf16, f16};
 use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
-use quant::u4_blocks;
+use quant::{fp4_blocks, u4_blocks};
 use std::ops::Range;
 
 /// Weight rows of one dense kind, `cols` floats each, row after row.
@@ -33,6 +33,9 @@ pub enum DenseRows<'a> {
     U4B32(&'a [U4Byte<32>]),
     /// The same in blocks of 128 (`cols` a multiple of 128).
     U4B128(&'a [U4Byte<128>]),
+    /// FP4 blocks (`quant::fp4_blocks`, `cols` a multiple of 32): each weight its code's value
+    /// times its group's scale.
+    Fp4(&'a [Fp4Byte]),
 }
 
 /// A byte of FP8 blocks (a scale's or a code's), as the tile kernels address them.
@@ -44,6 +47,19 @@ impl Fp8Byte {
     /// FP8 blocks as the tile kernels read them.
     pub fn of(blocks: &[u8]) -> &[Fp8Byte] {
         // SAFETY: `Fp8Byte` is a transparent `u8`.
+        unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
+    }
+}
+
+/// A byte of FP4 blocks (a scale's or two codes), as the tile kernels address them.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Fp4Byte(u8);
+
+impl Fp4Byte {
+    /// FP4 blocks as the tile kernels read them.
+    pub fn of(blocks: &[u8]) -> &[Fp4Byte] {
+        // SAFETY: `Fp4Byte` is a transparent `u8`.
         unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
     }
 }
@@ -184,6 +200,10 @@ impl Tile {
             }
             DenseRows::U4B128(w) => {
                 assert!(cols.is_multiple_of(128));
+                self.compute_with(kernel, w, cols, x, values)
+            }
+            DenseRows::Fp4(w) => {
+                assert!(cols.is_multiple_of(fp4_blocks::BLOCK_ELEMS));
                 self.compute_with(kernel, w, cols, x, values)
             }
         }
@@ -473,6 +493,100 @@ impl<const ELEMS: usize> U4Byte<ELEMS> {
             let scale = block.cast::<f32>().read_unaligned();
             let offset = block.add(4).cast::<f32>().read_unaligned();
             (block, scale, offset)
+        }
+    }
+}
+
+/// FP4 blocks widen each code to its value (a table of the 16, signs included), times its
+/// group's scale, as `fp4_blocks::dequantize_block` computes them (one product, rounded). Rows
+/// are whole blocks, so a chunk of 8 or 16 weights lies in one block and one group of 16: the
+/// low or the high nibbles of the block's 16 code bytes, under its first or second scale.
+impl Widen for Fp4Byte {
+    #[inline(always)]
+    fn stride(cols: usize) -> usize {
+        Self::block_start(cols)
+    }
+    #[inline(always)]
+    fn index(c: usize) -> usize {
+        Self::block_start(c) + fp4_blocks::CODES_AT + c % 16
+    }
+    unsafe fn weight(row: *const Fp4Byte, c: usize) -> f32 {
+        // SAFETY: as the caller promises: the block holding weight `c` lies there.
+        let block = unsafe { Self::block(row, c) };
+        let e = c % fp4_blocks::BLOCK_ELEMS;
+        fp4_blocks::CODE_VALUES[usize::from(fp4_blocks::code(block, e))] * fp4_blocks::scales(block)[e / 16]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(row: *const Fp4Byte, at: usize) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX-512F; the chunk's block lies within the row.
+        unsafe {
+            let (block, scale) = Self::scaled_group(row, at);
+            let bytes = _mm_loadu_si128(block.add(fp4_blocks::CODES_AT).cast());
+            let wide = _mm512_cvtepu8_epi32(bytes);
+            let codes = match at % fp4_blocks::BLOCK_ELEMS {
+                0 => _mm512_and_si512(wide, _mm512_set1_epi32(15)),
+                _ => _mm512_srli_epi32(wide, 4),
+            };
+            let table = _mm512_loadu_ps(fp4_blocks::CODE_VALUES.as_ptr());
+            _mm512_mul_ps(_mm512_permutexvar_ps(codes, table), _mm512_set1_ps(scale))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(row: *const Fp4Byte, at: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX2; as above.
+        unsafe {
+            let (block, scale) = Self::scaled_group(row, at);
+            let chunk = at % fp4_blocks::BLOCK_ELEMS;
+            let bytes = _mm_loadl_epi64(block.add(fp4_blocks::CODES_AT + chunk % 16).cast());
+            let wide = _mm256_cvtepu8_epi32(bytes);
+            let codes = match chunk < 16 {
+                true => _mm256_and_si256(wide, _mm256_set1_epi32(15)),
+                false => _mm256_srli_epi32(wide, 4),
+            };
+            // The magnitude from the table's first eight, the sign bit (code bit 3) moved to
+            // bit 31.
+            let magnitudes = _mm256_loadu_ps(fp4_blocks::CODE_VALUES.as_ptr());
+            let magnitude = _mm256_permutevar8x32_ps(magnitudes, codes);
+            let sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28));
+            _mm256_mul_ps(_mm256_xor_ps(magnitude, sign), _mm256_set1_ps(scale))
+        }
+    }
+}
+
+impl Fp4Byte {
+    /// Where the block holding weight `c` of a row starts, in bytes from the row's start.
+    #[inline(always)]
+    fn block_start(c: usize) -> usize {
+        c / fp4_blocks::BLOCK_ELEMS * fp4_blocks::BLOCK_BYTES
+    }
+
+    /// The block holding weight `c` of the row at `row`.
+    ///
+    /// # Safety
+    /// The row holds that block.
+    #[inline(always)]
+    unsafe fn block<'a>(row: *const Fp4Byte, c: usize) -> &'a [u8] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), fp4_blocks::BLOCK_BYTES) }
+    }
+
+    /// The start of the block holding weight `c` of the row at `row` and the scale of `c`'s
+    /// group, read in place (as `U4Byte::scaled_block` reads its own).
+    ///
+    /// # Safety
+    /// The row holds that block.
+    #[inline(always)]
+    unsafe fn scaled_group(row: *const Fp4Byte, c: usize) -> (*const u8, f32) {
+        // SAFETY: as the caller promises: the block's first eight bytes are its two scales,
+        // little-endian f32s (x86 is little-endian).
+        unsafe {
+            let block = row.add(Self::block_start(c)).cast::<u8>();
+            let group = c % fp4_blocks::BLOCK_ELEMS / fp4_blocks::GROUP_ELEMS;
+            (block, block.add(4 * group).cast::<f32>().read_unaligned())
         }
     }
 }
@@ -809,6 +923,29 @@ mod tests {
                     Of128 => DenseRows::U4B128(U4Byte::of(&blocks)),
                 };
                 check_against_dot(kernel, weights, &widened, cols, rows);
+            }
+        }
+    }
+
+    /// FP4 blocks widened as the tiles load them: each product is `simd::dot`'s bits over the
+    /// blocks' weights (code value × its group's scale), for every code, under scales of both
+    /// signs and magnitudes that keep products normal or make them subnormal, the two groups'
+    /// scales different.
+    #[test]
+    fn fp4_products_are_simd_dots_bit_for_bit() {
+        let rows = 11;
+        for kernel in DenseKernel::available() {
+            for cols in [32, 96] {
+                let blocks: Vec<u8> = (0..rows * cols / 32)
+                    .flat_map(|b| {
+                        let codes: [u8; 32] = std::array::from_fn(|i| ((b * 32 + i) * 7 / 3 % 16) as u8);
+                        let scale = |k: usize| [0.013, -2.5, 3.0e-38, 1.7e35, 1.0 / (b + 3) as f32][(b + k) % 5];
+                        quant::fp4_blocks::block([scale(0), scale(2)], &codes)
+                    })
+                    .collect();
+                let mut widened = vec![0f32; rows * cols];
+                quant::GgmlType::F4E2M1B32.dequantize(&blocks, &mut widened);
+                check_against_dot(kernel, DenseRows::Fp4(Fp4Byte::of(&blocks)), &widened, cols, rows);
             }
         }
     }

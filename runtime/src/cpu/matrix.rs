@@ -49,6 +49,9 @@ pub enum Storage {
     /// 4-bit weights as held (`quant::u4_blocks`: 32 or 128 levels, their f32 scale and
     /// offset a block), widened to f32 as they are multiplied.
     U4Blocks(u4_blocks::Size, Vec<u8>),
+    /// FP4 weights as held (`quant::fp4_blocks`: 32 codes and an f32 scale for each 16 a
+    /// block), widened to f32 as they are multiplied.
+    Fp4Blocks(Vec<u8>),
 }
 
 /// FP8 blocks, and whether every one widens by halves (`fp8_rows::widens_by_halves`: no NaN
@@ -94,6 +97,18 @@ impl Storage {
                 )),
             };
         }
+        if dtype == GgmlType::F4E2M1B32 {
+            return match row_bytes > 0
+                && row_bytes.is_multiple_of(quant::fp4_blocks::BLOCK_BYTES)
+                && bytes.len().is_multiple_of(row_bytes)
+            {
+                true => Ok(Storage::Fp4Blocks(bytes)),
+                false => Err(format!(
+                    "{} rows of {row_bytes} bytes are not whole blocks",
+                    dtype.name()
+                )),
+            };
+        }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::Interleaved(rows));
         }
@@ -118,6 +133,11 @@ impl Storage {
     /// Bytes a row of FP8 blocks `cols` wide.
     fn fp8_row_bytes(cols: usize) -> usize {
         cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
+    }
+
+    /// Bytes a row of FP4 blocks `cols` wide.
+    fn fp4_row_bytes(cols: usize) -> usize {
+        cols / quant::fp4_blocks::BLOCK_ELEMS * quant::fp4_blocks::BLOCK_BYTES
     }
 
     /// Bytes a row of 4-bit blocks of `size` `cols` wide.
@@ -146,7 +166,7 @@ impl Matrix {
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
             Storage::Fp8Blocks(blocks) => blocks.bytes.len(),
-            Storage::U4Blocks(_, blocks) => blocks.len(),
+            Storage::U4Blocks(_, blocks) | Storage::Fp4Blocks(blocks) => blocks.len(),
         }
     }
 
@@ -180,12 +200,28 @@ impl Matrix {
                 GgmlType::F8E4M3B32.dequantize(&blocks.bytes[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
+            Storage::Fp4Blocks(blocks) => {
+                let row_bytes = Storage::fp4_row_bytes(c);
+                GgmlType::F4E2M1B32.dequantize(&blocks[r * row_bytes..(r + 1) * row_bytes], out);
+                out
+            }
             Storage::U4Blocks(size, blocks) => {
                 let row_bytes = Storage::u4_row_bytes(*size, c);
                 size.format()
                     .dequantize(&blocks[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
+        }
+    }
+
+    /// The rows as the dense tiles read them whatever the tokens, widening each chunk as they
+    /// load it: 4-bit and FP4 blocks.
+    fn rows_widened_in_tiles(&self) -> Option<DenseRows<'_>> {
+        match &self.storage {
+            Storage::U4Blocks(u4_blocks::Size::Of32, blocks) => Some(DenseRows::U4B32(dense::U4Byte::of(blocks))),
+            Storage::U4Blocks(u4_blocks::Size::Of128, blocks) => Some(DenseRows::U4B128(dense::U4Byte::of(blocks))),
+            Storage::Fp4Blocks(blocks) => Some(DenseRows::Fp4(dense::Fp4Byte::of(blocks))),
+            _ => None,
         }
     }
 
@@ -251,14 +287,10 @@ impl Matrix {
             });
             return;
         }
-        if let (Storage::U4Blocks(size, blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
+        if let (Some(weights), Some(kernel)) = (self.rows_widened_in_tiles(), DenseKernel::detected()) {
             // However many tokens: widening 16 levels in registers costs less than a pass that
             // widens rows first (`benches/batched_step.rs`, a 0.45 B-weight Llama shape of 4-bit
             // blocks, two cores: 48 and 64 sequences 10% and 3% faster, a 512-token prompt 5%).
-            let weights = match size {
-                u4_blocks::Size::Of32 => DenseRows::U4B32(dense::U4Byte::of(blocks)),
-                u4_blocks::Size::Of128 => DenseRows::U4B128(dense::U4Byte::of(blocks)),
-            };
             products_by_runs(rows, out, |run, _, write| {
                 dense::products(kernel, weights, k, run, x, tokens, write)
             });
@@ -316,6 +348,10 @@ impl Matrix {
                 Storage::Fp8Blocks(blocks) => Some(&blocks.bytes),
                 _ => None,
             })?)),
+            Storage::Fp4Blocks(_) => Storage::Fp4Blocks(collect(parts, |s| match s {
+                Storage::Fp4Blocks(blocks) => Some(blocks),
+                _ => None,
+            })?),
             Storage::U4Blocks(size, _) => Storage::U4Blocks(
                 *size,
                 collect(parts, |s| match s {
@@ -359,6 +395,9 @@ impl Matrix {
                 Storage::fp8_row_bytes(self.cols),
                 &picked,
             ))),
+            Storage::Fp4Blocks(blocks) => {
+                Storage::Fp4Blocks(gather_rows(blocks, Storage::fp4_row_bytes(self.cols), &picked))
+            }
             Storage::U4Blocks(size, blocks) => Storage::U4Blocks(
                 *size,
                 gather_rows(blocks, Storage::u4_row_bytes(*size, self.cols), &picked),
@@ -386,7 +425,11 @@ impl Matrix {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
             Storage::F16(v) => Storage::F16(order().map(|i| v[i]).collect()),
-            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) | Storage::U4Blocks(..) => {
+            Storage::Interleaved(_)
+            | Storage::InterleavedSuper(_)
+            | Storage::Fp8Blocks(_)
+            | Storage::U4Blocks(..)
+            | Storage::Fp4Blocks(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -745,6 +788,31 @@ mod tests {
         };
         assert!(Matrix::stack_rows(&[&of(Of32), &of(Of128)]).is_err());
         assert_eq!(Matrix::stack_rows(&[&of(Of128), &of(Of128)]).unwrap().rows, 2);
+    }
+
+    /// FP4 blocks: every (row, token) product is the dot product of the row's f32 weights (code
+    /// value × its group's scale) with the token, bit for bit (`simd::dot`), whichever rows a
+    /// step asks for and however many tokens; stacking, picking and transposing rows keep the
+    /// weights.
+    #[test]
+    fn fp4_block_rows_multiply_their_products() {
+        let (rows, cols) = (40, 96);
+        let blocks: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let codes: [u8; 32] = std::array::from_fn(|i| ((((b * 32 + i) * 2654435761usize) >> 11) % 16) as u8);
+                let scale = |k: usize| half::f16::from_f32(0.01 + (b + k) as f32 * 0.003).to_f32();
+                quant::fp4_blocks::block([scale(0), -scale(7)], &codes)
+            })
+            .collect();
+        let row_bytes = cols / 32 * 24;
+        assert!(Storage::block_rows(GgmlType::F4E2M1B32, blocks.clone(), row_bytes - 1).is_err());
+        let storage = Storage::block_rows(GgmlType::F4E2M1B32, blocks.clone(), row_bytes).unwrap();
+        let m = Matrix { rows, cols, storage };
+        assert_eq!(m.bytes(), blocks.len());
+        let mut weights = vec![0f32; rows * cols];
+        GgmlType::F4E2M1B32.dequantize(&blocks, &mut weights);
+        check_products(&m, &weights, &[1, 5, 36], None);
+        check_rows_kept(&m, &weights);
     }
 
     /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,

@@ -416,7 +416,8 @@ impl UnpackedRow {
             | GgmlType::BF16
             | GgmlType::F8E4M3B32
             | GgmlType::U4B32
-            | GgmlType::U4B128 => return None,
+            | GgmlType::U4B128
+            | GgmlType::F4E2M1B32 => return None,
         }
         Some(())
     }
