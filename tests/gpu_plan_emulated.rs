@@ -1188,28 +1188,43 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 #[test]
 fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     use quant::GgmlType::{F8E4M3B32, U4B128, U4B32};
-    for (family, target, held_as, prefill_tolerance) in [
-        ("llama_gptq_g128", Target::H200, &[U4B128, U4B32][..], 2e-2),
-        ("llama_w4a16", Target::H200, &[F8E4M3B32], 2e-2),
-        ("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1),
-    ] {
-        let held = open(family, ComputeDtype::Native);
-        let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
-        for &held_as in held_as {
-            let format = quant::tensor::ir_dtype(held_as);
-            let blocks = graph
-                .nodes()
-                .iter()
-                .filter(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype == format)
-                .count();
-            assert!(
-                blocks >= 2,
-                "{family}: the plan's graph has {blocks} weights of {format}"
-            );
-        }
-        check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
-        assert_eq!(held.weights.converted_bytes(), 0, "{family}: nothing held twice");
+    check_held_blocks("llama_gptq_g128", Target::H200, &[U4B128, U4B32], 2e-2);
+    check_held_blocks("llama_w4a16", Target::H200, &[F8E4M3B32], 2e-2);
+    check_held_blocks("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1);
+}
+
+/// NVFP4 checkpoints held as FP4 blocks run their plans as the CPU backend runs them:
+/// compressed-tensors' Llama on the B200 (NVFP4's own GPU), ModelOpt's Qwen3-Next (experts,
+/// Gated DeltaNet, attention; its shared expert's 48-column down projection dequantized to
+/// f32) on Hopper; tolerances as for the integer checkpoints above.
+#[test]
+fn nvfp4_checkpoints_run_their_plans_as_the_cpu_backend_does() {
+    use quant::GgmlType::F4E2M1B32;
+    check_held_blocks("llama_nvfp4", Target::B200, &[F4E2M1B32], 2e-2);
+    check_held_blocks("qwen3_next_nvfp4", Target::H200, &[F4E2M1B32], 1e-1);
+}
+
+/// The checkpoint `family`, its weights held as they are stored, runs `target`'s plans as the
+/// CPU backend runs it (`check_within`: steps after a short prompt within 1e-5, after a
+/// 19-token prompt within `prefill_tolerance`), with at least two weights of each of `held_as`
+/// in the plan's graph and nothing held twice.
+fn check_held_blocks(family: &str, target: Target, held_as: &[quant::GgmlType], prefill_tolerance: f32) {
+    let held = open(family, ComputeDtype::Native);
+    let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
+    for &held_as in held_as {
+        let format = quant::tensor::ir_dtype(held_as);
+        let blocks = graph
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype == format)
+            .count();
+        assert!(
+            blocks >= 2,
+            "{family}: the plan's graph has {blocks} weights of {format}"
+        );
     }
+    check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
+    assert_eq!(held.weights.converted_bytes(), 0, "{family}: nothing held twice");
 }
 
 /// How many kernels of `model`'s plan for `target` widen FP8 codes.

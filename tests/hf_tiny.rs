@@ -1329,6 +1329,47 @@ fn integer_checkpoints_match_hf() {
     }
 }
 
+/// NVFP4 checkpoints: compressed-tensors' (`llama_nvfp4`, `code · scale / global`) and
+/// ModelOpt's (`qwen3_next_nvfp4`: experts, shared expert, Gated DeltaNet and attention,
+/// `code · scale · scale_2`, with the activations' `input_scale` beside each weight, not used).
+/// Each weight is its code's value times its group's folded f32 scale, held as FP4 blocks where
+/// its rows are whole blocks of 32, else (Qwen3-Next's 48-column shared-expert down
+/// projection) as the checkpoint's f32: logits at every prompt row and cached step, and greedy
+/// ids, through the interpreter and the CPU backend, against transformers over those products.
+/// vLLM's `modelopt_fp4` names ModelOpt's.
+#[test]
+fn nvfp4_checkpoints_match_hf() {
+    use quant::GgmlType::{F32, F4E2M1B32};
+    for (name, method, weight) in [
+        (
+            "llama_nvfp4",
+            "compressed-tensors",
+            "model.layers.1.mlp.down_proj.weight",
+        ),
+        (
+            "qwen3_next_nvfp4",
+            "modelopt",
+            "model.layers.1.mlp.experts.0.down_proj.weight",
+        ),
+    ] {
+        check_reference_interpreter(name);
+        check_cpu_backend(name);
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+        spec.dtype = ComputeDtype::Native;
+        let native = Model::open(spec).unwrap();
+        assert_eq!(native.weights.quantization(), Some(method), "{name}");
+        assert_eq!(native.weights.require(weight).unwrap().dtype, F4E2M1B32, "{name}");
+        check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
+        check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
+    }
+    let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/qwen3_next_nvfp4"));
+    spec.dtype = ComputeDtype::Native;
+    spec.quantization = Some("modelopt_fp4".into());
+    let native = Model::open(spec).unwrap();
+    let shared_down = "model.layers.1.mlp.shared_expert.down_proj.weight";
+    assert_eq!(native.weights.require(shared_down).unwrap().dtype, F32);
+}
+
 /// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)
 /// are taken as the methods; another method is refused naming the checkpoint's.
 #[test]

@@ -771,3 +771,75 @@ fn unreadable_integer_checkpoints_are_named() {
         assert!(err.contains(needle), "{needle}: {err}");
     }
 }
+
+/// NVFP4 weights that cannot be read are refused naming the weight and what is wrong: codes
+/// without their FP8 scales or their global scale, codes that are not bytes, scales of another
+/// shape, a global scale of zero; and a config of groups other than 16.
+#[test]
+fn unreadable_nvfp4_checkpoints_are_named() {
+    let scratch = common::scratch_dir("bbc-malformed-fp4-");
+    let dir = scratch.path();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    let modelopt = serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
+    use safetensors::Dtype::{F32, F8_E4M3, I32, U8};
+    type Tensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
+    // A 16 × 64 weight in ModelOpt's layout: 16 rows of 32 code bytes, four groups' scales.
+    let codes: Tensor = ("w.weight", U8, vec![16, 32], vec![0u8; 16 * 32]);
+    let scales: Tensor = ("w.weight_scale", F8_E4M3, vec![16, 4], vec![0x38u8; 64]);
+    let global = |value: f32| -> Tensor { ("w.weight_scale_2", F32, vec![], value.to_le_bytes().to_vec()) };
+    let cases: Vec<(serde_json::Value, Vec<Tensor>, &str)> = vec![
+        (
+            modelopt.clone(),
+            vec![codes.clone(), global(1.0)],
+            "NVFP4 weight `w.weight`: it has no FP8 `w.weight_scale`",
+        ),
+        (
+            modelopt.clone(),
+            vec![codes.clone(), scales.clone()],
+            "it has no f32 `w.weight_scale_2`",
+        ),
+        (
+            modelopt.clone(),
+            vec![
+                ("w.weight", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
+                scales.clone(),
+                global(1.0),
+            ],
+            "is not bytes",
+        ),
+        (
+            modelopt.clone(),
+            vec![
+                codes.clone(),
+                ("w.weight_scale", F8_E4M3, vec![16, 2], vec![0x38u8; 32]),
+                global(1.0),
+            ],
+            "not [16, 4]",
+        ),
+        (
+            modelopt.clone(),
+            vec![codes.clone(), scales.clone(), global(0.0)],
+            "its global scale is 0",
+        ),
+        (
+            serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}),
+            vec![codes.clone(), scales.clone(), global(1.0)],
+            "groups of 32",
+        ),
+    ];
+    for (quantization, tensors, needle) in cases {
+        let mut config = config.clone();
+        config["quantization_config"] = quantization;
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let views = tensors.iter().map(|(name, dtype, shape, data)| {
+            (
+                name.to_string(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        });
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let err = open_error(dir);
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}

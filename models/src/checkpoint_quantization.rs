@@ -1,8 +1,9 @@
 //! Which quantization an HF checkpoint's `config.json` names (`quantization_config`), read or
-//! refused by name: FP8 codes with scales (`fp8_checkpoint`) or packed integers with scales
-//! (`int_checkpoint`).
+//! refused by name: FP8 codes with scales (`fp8_checkpoint`), packed integers with scales
+//! (`int_checkpoint`) or NVFP4 codes with two scales (`fp4_checkpoint`).
 
 use crate::error::{ModelError, Result};
+use crate::fp4_checkpoint::{self, Fp4Layout, FP4_METHODS};
 use crate::fp8_checkpoint::{self, FP8_METHODS};
 use crate::int_checkpoint::{self, IntScheme};
 use crate::quant::GgmlType;
@@ -17,6 +18,8 @@ pub struct CheckpointQuantization {
     pub block: Option<[usize; 2]>,
     /// How packed integer weights lie, for an integer method.
     pub integers: Option<IntScheme>,
+    /// Whose layout NVFP4 weights have, for an NVFP4 method.
+    pub fp4: Option<Fp4Layout>,
 }
 
 /// The methods whose weights are packed integers with scales.
@@ -25,12 +28,14 @@ const INT_METHODS: &str = "gptq, awq (GEMM) and compressed-tensors (pack-quantiz
 const OTHERWISE: &str = "and GGUF files for other quantized weights";
 
 /// The method vLLM's `--quantization` names, lowercased: its names for the Marlin kernels it
-/// runs GPTQ's and AWQ's checkpoints with (`gptq_marlin`, `awq_marlin`) name those methods.
+/// runs GPTQ's and AWQ's checkpoints with (`gptq_marlin`, `awq_marlin`) name those methods, and
+/// `modelopt_fp4` ModelOpt's NVFP4 checkpoints.
 pub fn method_named(asked: &str) -> String {
     let named = asked.to_ascii_lowercase();
     match named.as_str() {
         "gptq_marlin" => "gptq".into(),
         "awq_marlin" => "awq".into(),
+        "modelopt_fp4" => "modelopt".into(),
         _ => named,
     }
 }
@@ -47,7 +52,8 @@ pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option
     let refuse = |what: String| ModelError::Config {
         path: path.to_path_buf(),
         what: format!(
-            "`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, {INT_METHODS} ones, {OTHERWISE}"
+            "`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, {INT_METHODS} ones, \
+             {FP4_METHODS} ones, {OTHERWISE}"
         ),
     };
     let method = quant
@@ -55,18 +61,22 @@ pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option
         .and_then(|v| v.as_str())
         .map(str::to_ascii_lowercase)
         .ok_or_else(|| refuse("has no `quant_method`".into()))?;
-    let read = |integers, block| {
+    let read = |integers, block, fp4| {
         Ok(Some(CheckpointQuantization {
             method: method.clone(),
             block,
             integers,
+            fp4,
         }))
     };
+    if let Some(layout) = fp4_checkpoint::scheme_of(&method, quant) {
+        return read(None, None, Some(layout.map_err(refuse)?));
+    }
     if let Some(scheme) = int_checkpoint::scheme_of(&method, quant) {
-        return read(Some(scheme.map_err(refuse)?), None);
+        return read(Some(scheme.map_err(refuse)?), None, None);
     }
     match fp8_checkpoint::fp8_block(&method, quant) {
-        Some(block) => read(None, block.map_err(refuse)?),
+        Some(block) => read(None, block.map_err(refuse)?, None),
         None => Err(refuse(format!("`quant_method` is `{method}`"))),
     }
 }
@@ -141,6 +151,13 @@ mod tests {
             packed.unwrap().unwrap().integers.map(|s| s.packing),
             Some(Packing::CompressedTensors)
         );
+        let modelopt = of(json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}));
+        assert_eq!(modelopt.unwrap().unwrap().fp4, Some(Fp4Layout::ModelOpt));
+        let nvfp4 = of(
+            json!({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}}}}),
+        );
+        assert_eq!(nvfp4.unwrap().unwrap().fp4, Some(Fp4Layout::CompressedTensors));
         for (q, named) in [
             (json!({"quant_method": "gptq", "bits": 3}), "3-bit"),
             (
@@ -153,7 +170,14 @@ mod tests {
                 json!({"quant_method": "fp8", "weight_block_size": [128]}),
                 "weight_block_size",
             ),
-            (json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}), "nvfp4"),
+            (
+                json!({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}),
+                "w4a8_awq",
+            ),
+            (
+                json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}),
+                "groups of 32",
+            ),
             (
                 json!({"quant_method": "compressed-tensors", "format": "pack-quantized"}),
                 "no group of weights",

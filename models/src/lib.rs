@@ -6,6 +6,7 @@ pub mod config;
 pub mod eagle;
 pub mod error;
 pub mod families;
+pub mod fp4_checkpoint;
 pub mod fp8_checkpoint;
 pub mod fp8_on_load;
 pub mod generation_defaults;

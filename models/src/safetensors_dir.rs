@@ -1,12 +1,14 @@
 //! HF model directories: `config.json`, `*.safetensors` (memory-mapped; sharded through
 //! `model.safetensors.index.json`), tokenizer files. FP8 weights are read through their
-//! scales (`fp8_checkpoint`) and packed integer weights through their zero points and scales
-//! (`int_checkpoint`), in the type asked for or held as FP8 blocks; float weights can be
+//! scales (`fp8_checkpoint`), packed integer weights through their zero points and scales
+//! (`int_checkpoint`) and NVFP4 weights through their two scales (`fp4_checkpoint`), in the
+//! type asked for or held as blocks; float weights can be
 //! quantized to FP8 blocks as they load (`fp8_on_load`). Each is made the first time it is
 //! read.
 
 use crate::checkpoint_quantization;
 use crate::error::{io_error, ModelError, Result};
+use crate::fp4_checkpoint::{Fp4Layout, Fp4Weight};
 use crate::fp8_checkpoint::{self, ScaleGrid};
 use crate::fp8_on_load;
 use crate::int_checkpoint::{IntScheme, PackedLayout, PackedParts, PartShapes};
@@ -72,6 +74,13 @@ enum MadeFrom {
         levels: RawEntry,
         zeros: Option<RawEntry>,
         scales: SafetensorsEntry,
+    },
+    /// NVFP4 codes through their groups' scales and the global one (`fp4_checkpoint`).
+    Fp4 {
+        weight: Fp4Weight,
+        codes: RawEntry,
+        scales: RawEntry,
+        global: f32,
     },
     /// A float weight quantized to FP8 blocks as it loads (`fp8_on_load`).
     QuantizedOnLoad(SafetensorsEntry),
@@ -152,6 +161,7 @@ impl SafetensorsDir {
         let quantization = checkpoint_quantization::quantization_of(&config, &path)?;
         let block = quantization.as_ref().and_then(|q| q.block);
         let integers = quantization.as_ref().and_then(|q| q.integers);
+        let fp4 = quantization.as_ref().and_then(|q| q.fp4);
         this.quant_method = quantization.map(|q| q.method);
         let checkpoint_dtype = checkpoint_quantization::checkpoint_dtype(&config);
         let read_as = |fits_blocks_of_32: bool| match convert_to {
@@ -159,6 +169,15 @@ impl SafetensorsDir {
             None if fits_blocks_of_32 => GgmlType::F8E4M3B32,
             None => checkpoint_dtype,
         };
+        // NVFP4 weights first: their scales are FP8 tensors, their codes bytes.
+        if let Some(layout) = fp4 {
+            this.pair_fp4(&mut ints, &mut fp8_codes, layout, |weight| {
+                match read_as(weight.fits_blocks()) {
+                    GgmlType::F8E4M3B32 => GgmlType::F4E2M1B32,
+                    read_as => read_as,
+                }
+            })?;
+        }
         this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
         // Blocks of an integer checkpoint are 4-bit blocks where its scales allow them, as wide
         // as its groups allow.
@@ -200,6 +219,63 @@ impl SafetensorsDir {
                 values: OnceLock::new(),
             };
             self.made.insert(name, weight);
+        }
+        Ok(())
+    }
+
+    /// Each NVFP4 weight `X.weight` with its parts beside it (`fp4_checkpoint`: its codes,
+    /// taken from `ints`, its groups' FP8 scales, taken from `fp8`, and its global scale), and
+    /// the activations' scale a W4A4 checkpoint has beside it (not used), taken out of the
+    /// listing.
+    fn pair_fp4(
+        &mut self,
+        ints: &mut BTreeMap<String, RawEntry>,
+        fp8: &mut BTreeMap<String, RawEntry>,
+        layout: Fp4Layout,
+        read_as: impl Fn(&Fp4Weight) -> GgmlType,
+    ) -> Result<()> {
+        let names = layout.part_names();
+        let codes_end = format!(".{}", names.codes);
+        let weights: Vec<String> = ints.keys().filter(|n| n.ends_with(&codes_end)).cloned().collect();
+        for codes_name in weights {
+            let prefix = &codes_name[..codes_name.len() - names.codes.len()];
+            let part = |end: &str| format!("{prefix}{end}");
+            let codes = ints.remove(&codes_name).expect("listed");
+            let path = self.shard_path(codes.shard).to_path_buf();
+            let bad = |what: String| ModelError::Safetensors {
+                path: path.clone(),
+                what: format!("NVFP4 weight `{prefix}weight`: {what}"),
+            };
+            if codes.element_bytes != 1 {
+                return Err(bad(format!("its `{codes_name}` is not bytes (two codes each)")));
+            }
+            let scales = fp8
+                .remove(&part(names.scales))
+                .ok_or_else(|| bad(format!("it has no FP8 `{}` beside it", part(names.scales))))?;
+            let global = self
+                .tensors
+                .remove(&part(names.global))
+                .filter(|g| g.dtype == GgmlType::F32)
+                .ok_or_else(|| bad(format!("it has no f32 `{}` beside it", part(names.global))))?;
+            self.tensors.remove(&part(names.activations));
+            let weight =
+                Fp4Weight::of(layout, &codes.stored_shape, &scales.stored_shape, &global.stored_shape).map_err(bad)?;
+            let global = self.floats(&global)[0];
+            if !global.is_finite() || global == 0.0 {
+                return Err(bad(format!("its global scale is {global}")));
+            }
+            let made = MadeWeight {
+                shape: vec![weight.rows, weight.cols],
+                read_as: read_as(&weight),
+                from: MadeFrom::Fp4 {
+                    weight,
+                    codes,
+                    scales,
+                    global,
+                },
+                values: OnceLock::new(),
+            };
+            self.made.insert(part("weight"), made);
         }
         Ok(())
     }
@@ -430,6 +506,18 @@ impl SafetensorsDir {
                     dtype => layout.dequantize(&parts, dtype),
                 }
             }
+            MadeFrom::Fp4 {
+                weight: fp4,
+                codes,
+                scales,
+                global,
+            } => {
+                let (codes, scales) = (self.raw(codes), self.raw(scales));
+                match weight.read_as {
+                    GgmlType::F4E2M1B32 => fp4.blocks(codes, scales, *global),
+                    dtype => fp4.dequantize(codes, scales, *global, dtype),
+                }
+            }
             MadeFrom::QuantizedOnLoad(stored) => fp8_on_load::quantize(&TensorView {
                 shape: &stored.shape,
                 dtype: stored.dtype,
@@ -578,13 +666,13 @@ fn header_entry(
         Some("F16") => (Some(GgmlType::F16), 2),
         Some("BF16") => (Some(GgmlType::BF16), 2),
         Some("F8_E4M3") => (None, 1),
-        Some("I8" | "BOOL") => (None, 1),
+        Some("I8" | "U8" | "BOOL") => (None, 1),
         Some("I32") => (None, 4),
         Some("I64") => (None, 8),
         other => {
             return Err(format!(
                 "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16, F8_E4M3 (with its scales) \
-                 and I8, I32, I64 and BOOL (an integer weight's parts, or a table of ids)"
+                 and I8, U8, I32, I64 and BOOL (an integer or NVFP4 weight's parts, or a table of ids)"
             ))
         }
     };

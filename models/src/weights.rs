@@ -107,8 +107,8 @@ impl WeightSource {
     }
 
     /// The storage type holding the most elements of the tensors of two or more dims (the
-    /// matrices; norms and biases are vectors), `None` without any. FP8 and 4-bit blocks are
-    /// passed over where other matrices remain: a quantized checkpoint's embeddings and heads
+    /// matrices; norms and biases are vectors), `None` without any. Checkpoints' FP8, 4-bit and
+    /// FP4 blocks are passed over where other matrices remain: a quantized checkpoint's embeddings and heads
     /// keep its own type.
     pub fn matrix_storage(&self) -> Option<GgmlType> {
         // Each tensor's type and shape straight from the listing (`get` finds a GGUF tensor
@@ -134,10 +134,10 @@ impl WeightSource {
                 None => elements.push((dtype, count)),
             }
         }
-        let fp8 = |t: &(GgmlType, usize)| matches!(t.0, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128);
-        let counted = match elements.iter().all(fp8) {
+        let held = |t: &(GgmlType, usize)| t.0.is_checkpoint_blocks();
+        let counted = match elements.iter().all(held) {
             true => elements,
-            false => elements.into_iter().filter(|t| !fp8(t)).collect(),
+            false => elements.into_iter().filter(|t| !held(t)).collect(),
         };
         counted.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
     }

@@ -58,26 +58,6 @@ pub fn block(scales: [f32; 2], codes: &[u8; 32]) -> [u8; BLOCK_BYTES] {
     out
 }
 
-/// The E2M1 code nearest `x` (ties to the even code, as NVFP4 quantizers round; beyond ±6 the
-/// largest magnitude; NaN to 0).
-pub fn nearest_code(x: f32) -> u8 {
-    let magnitude = x.abs();
-    let mut best = 0u8;
-    for (code, &value) in CODE_VALUES[..8].iter().enumerate() {
-        let (d, best_d) = (
-            (magnitude - value).abs(),
-            (magnitude - CODE_VALUES[usize::from(best)]).abs(),
-        );
-        if d < best_d || d == best_d && code % 2 == 0 && best % 2 == 1 {
-            best = code as u8;
-        }
-    }
-    match x.is_sign_negative() && best != 0 {
-        true => best | 8,
-        false => best,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,29 +93,5 @@ mod tests {
                 if sign == 1 { -magnitude } else { magnitude }.to_bits()
             );
         }
-    }
-
-    /// Rounding to the nearest code, ties to even codes, saturating past 6.
-    #[test]
-    fn nearest_codes_round_to_nearest_ties_to_even() {
-        for (x, want) in [
-            (0.0, 0u8),
-            (0.24, 0),
-            (0.25, 0),
-            (0.26, 1),
-            (0.75, 2),
-            (1.25, 2),
-            (1.75, 4),
-            (2.5, 4),
-            (3.5, 6),
-            (5.0, 6),
-            (5.1, 7),
-            (100.0, 7),
-            (-1.5, 11),
-            (-0.1, 0),
-        ] {
-            assert_eq!(nearest_code(x), want, "{x}");
-        }
-        assert_eq!(nearest_code(f32::NAN), 0);
     }
 }

@@ -210,6 +210,13 @@ impl GgmlType {
         }
     }
 
+    /// Whether this is one of bbc's own block formats, in which FP8, integer and NVFP4
+    /// checkpoints' weights are held as they are (no GGUF file has them): such weights stay in
+    /// it whatever type a model computes in.
+    pub fn is_checkpoint_blocks(self) -> bool {
+        matches!(self, Self::F8E4M3B32 | Self::U4B32 | Self::U4B128 | Self::F4E2M1B32)
+    }
+
     /// Bytes taken by `elems` elements, or `None` when `elems` is not a whole number of blocks.
     pub fn bytes_for(self, elems: usize) -> Option<usize> {
         let (be, bb) = self.block_layout();

@@ -251,12 +251,12 @@ pub fn with_greedy_token(graph: &Graph) -> Result<Graph> {
     Ok(g)
 }
 
-/// What a matrix stored as `storage` is computed as under `compute`: FP8 and 4-bit blocks
+/// What a matrix stored as `storage` is computed as under `compute`: FP8, 4-bit and FP4 blocks
 /// stay as they are (a source holds them only where the model runs such weights: quantized as
-/// it loads, or an FP8 or integer checkpoint not read into another type).
+/// it loads, or an FP8, integer or NVFP4 checkpoint not read into another type).
 pub(crate) fn matrix_dtype(compute: ComputeDtype, storage: GgmlType) -> DType {
     match compute {
-        _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128) => ir_dtype(storage),
+        _ if storage.is_checkpoint_blocks() => ir_dtype(storage),
         ComputeDtype::F32 => DType::F32,
         ComputeDtype::Bf16 => DType::BF16,
         ComputeDtype::F16 => DType::F16,

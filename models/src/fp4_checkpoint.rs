@@ -1,0 +1,335 @@
+//! NVFP4 checkpoints: linear weights stored as FP4 E2M1 codes, two to a byte (a byte's low
+//! nibble the even column), with an FP8 E4M3 scale for each 16 columns of a row and an f32
+//! scale for the whole tensor, as compressed-tensors (`format: "nvfp4-pack-quantized"`:
+//! `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`, the weight `code · scale /
+//! global`) and NVIDIA's ModelOpt (`quant_algo: "NVFP4"`: `X.weight`, `X.weight_scale`,
+//! `X.weight_scale_2`, the weight `code · scale · scale_2`) save them.
+//!
+//! bbc folds each group's two scales into one f32 (`scale / global` or `scale · scale_2`,
+//! rounded once), so a weight is its code's value times that, one product in f32: what
+//! compressed-tensors computes before rounding to the model's type, and within an f32 rounding
+//! of the exact product FP4 tensor cores take. Rows of whole blocks of 32 are held as
+//! `quant::fp4_blocks` (6 bits a weight); others, and every weight when the model is read into
+//! a float type, are dequantized, each product rounded once to that type. The activations'
+//! scales W4A4 checkpoints carry (`input_global_scale`, `input_scale`) are not used: bbc's
+//! activations stay floats.
+
+use crate::quant::GgmlType;
+use half::{bf16, f16};
+use ir::F8E4M3;
+use quant::fp4_blocks;
+use rayon::prelude::*;
+
+/// The methods whose weights are NVFP4.
+pub const FP4_METHODS: &str = "compressed-tensors (nvfp4-pack-quantized) and modelopt (NVFP4)";
+
+/// Whose layout an NVFP4 checkpoint has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp4Layout {
+    CompressedTensors,
+    ModelOpt,
+}
+
+/// The names of a weight `X.weight`'s parts, after `X.`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp4PartNames {
+    pub codes: &'static str,
+    pub scales: &'static str,
+    pub global: &'static str,
+    /// The activations' scale a W4A4 checkpoint carries beside the weight (not used).
+    pub activations: &'static str,
+}
+
+impl Fp4Layout {
+    pub fn part_names(self) -> Fp4PartNames {
+        match self {
+            Self::CompressedTensors => Fp4PartNames {
+                codes: "weight_packed",
+                scales: "weight_scale",
+                global: "weight_global_scale",
+                activations: "input_global_scale",
+            },
+            Self::ModelOpt => Fp4PartNames {
+                codes: "weight",
+                scales: "weight_scale",
+                global: "weight_scale_2",
+                activations: "input_scale",
+            },
+        }
+    }
+
+    /// A group's scale: its FP8 scale with the tensor's global one, rounded once in f32.
+    pub fn group_scale(self, scale: f32, global: f32) -> f32 {
+        match self {
+            Self::CompressedTensors => scale / global,
+            Self::ModelOpt => scale * global,
+        }
+    }
+}
+
+/// The NVFP4 layout `quant_method` and its config name, `None` where they name none (the
+/// caller tries the other methods); an error says why a named one is not read.
+pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<Fp4Layout, String>> {
+    let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
+    match method {
+        "compressed-tensors" if text(quant.get("format")).as_deref() == Some("nvfp4-pack-quantized") => {
+            Some(compressed_tensors_groups(quant).map(|()| Fp4Layout::CompressedTensors))
+        }
+        "modelopt" if text(quant.get("quant_algo")).as_deref() == Some("nvfp4") => {
+            Some(match quant.get("group_size").and_then(|g| g.as_u64()) {
+                None | Some(16) => Ok(Fp4Layout::ModelOpt),
+                Some(g) => Err(format!(
+                    "ModelOpt NVFP4 in groups of {g} is not read (groups of 16 are)"
+                )),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// compressed-tensors' NVFP4 weights must be 4-bit floats in groups of 16 in every group of
+/// its config, without zero points.
+fn compressed_tensors_groups(quant: &serde_json::Value) -> Result<(), String> {
+    let groups = quant.get("config_groups").and_then(|g| g.as_object());
+    let mut any = false;
+    for (name, group) in groups.into_iter().flatten() {
+        let Some(weights) = group.get("weights").filter(|w| !w.is_null()) else {
+            continue;
+        };
+        let kind = weights.get("type").and_then(|t| t.as_str());
+        let bits = weights.get("num_bits").and_then(|b| b.as_u64());
+        let group_size = weights.get("group_size").and_then(|g| g.as_u64());
+        if kind != Some("float") || bits != Some(4) || group_size != Some(16) {
+            return Err(format!(
+                "group `{name}` of an NVFP4 checkpoint holds {} bits of type {kind:?} in groups of {}, not 4-bit \
+                 floats in groups of 16",
+                bits.map_or("?".into(), |b| b.to_string()),
+                group_size.map_or("?".into(), |g| g.to_string()),
+            ));
+        }
+        if weights.get("symmetric").and_then(|s| s.as_bool()) == Some(false) {
+            return Err(format!("group `{name}`: NVFP4 weights with zero points are not read"));
+        }
+        any = true;
+    }
+    match any {
+        true => Ok(()),
+        false => Err("an NVFP4 checkpoint with no group of weights".into()),
+    }
+}
+
+/// One NVFP4 weight: `rows × cols` (outputs × inputs), its codes `[rows, cols / 2]` bytes, its
+/// scales `[rows, cols / 16]` FP8 codes, its global scale one f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp4Weight {
+    pub layout: Fp4Layout,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Fp4Weight {
+    /// The weight the parts' shapes (as the file declares them) give, or why they give none.
+    pub fn of(layout: Fp4Layout, codes: &[usize], scales: &[usize], global: &[usize]) -> Result<Self, String> {
+        let &[rows, half_cols] = codes else {
+            return Err(format!("its codes have shape {codes:?}, not a matrix's"));
+        };
+        let cols = half_cols * 2;
+        if rows == 0 || !cols.is_multiple_of(16) || cols == 0 {
+            return Err(format!("its codes' rows of {cols} are not whole groups of 16"));
+        }
+        if scales != [rows, cols / 16] {
+            return Err(format!(
+                "its scales have shape {scales:?}, not [{rows}, {}] (one for each 16 of {cols} columns)",
+                cols / 16
+            ));
+        }
+        if global.iter().product::<usize>() != 1 {
+            return Err(format!("its global scale has shape {global:?}, not one value"));
+        }
+        Ok(Self { layout, rows, cols })
+    }
+
+    /// Whether the weight's rows are whole FP4 blocks of 32.
+    pub fn fits_blocks(&self) -> bool {
+        self.cols.is_multiple_of(fp4_blocks::BLOCK_ELEMS)
+    }
+
+    /// Row `r`'s codes (one a column) and its groups' f32 scales.
+    fn row(&self, codes: &[u8], scales: &[u8], global: f32, r: usize, out: &mut (Vec<u8>, Vec<f32>)) {
+        let (row_codes, row_scales) = out;
+        let packed = &codes[r * self.cols / 2..(r + 1) * self.cols / 2];
+        for (pair, &byte) in row_codes.chunks_exact_mut(2).zip(packed) {
+            pair[0] = byte & 15;
+            pair[1] = byte >> 4;
+        }
+        let groups = &scales[r * self.cols / 16..(r + 1) * self.cols / 16];
+        for (s, &code) in row_scales.iter_mut().zip(groups) {
+            *s = self.layout.group_scale(F8E4M3(code).to_f32(), global);
+        }
+    }
+
+    /// Scratch for [`Self::row`].
+    fn scratch(&self) -> (Vec<u8>, Vec<f32>) {
+        (vec![0; self.cols], vec![0.0; self.cols / 16])
+    }
+
+    /// The weight as FP4 blocks (`quant::fp4_blocks`), the rows on the pool. The rows must be
+    /// [whole blocks](Self::fits_blocks).
+    pub fn blocks(&self, codes: &[u8], scales: &[u8], global: f32) -> Vec<u8> {
+        assert!(self.fits_blocks(), "{self:?} is not whole blocks of 32");
+        let row_bytes = self.cols / fp4_blocks::BLOCK_ELEMS * fp4_blocks::BLOCK_BYTES;
+        let mut out = vec![0u8; self.rows * row_bytes];
+        out.par_chunks_mut(row_bytes).enumerate().for_each_init(
+            || self.scratch(),
+            |row, (r, out)| {
+                self.row(codes, scales, global, r, row);
+                let (row_codes, row_scales) = row;
+                for (b, out) in out.chunks_exact_mut(fp4_blocks::BLOCK_BYTES).enumerate() {
+                    let block_codes = std::array::from_fn(|e| row_codes[b * 32 + e]);
+                    let block_scales = [row_scales[2 * b], row_scales[2 * b + 1]];
+                    out.copy_from_slice(&fp4_blocks::block(block_scales, &block_codes));
+                }
+            },
+        );
+        out
+    }
+
+    /// The weight's bytes as `dtype` (f32, bf16 or f16): each code's value times its group's
+    /// scale in f32, the product rounded to `dtype`.
+    pub fn dequantize(&self, codes: &[u8], scales: &[u8], global: f32, dtype: GgmlType) -> Vec<u8> {
+        let size = match dtype {
+            GgmlType::F32 => 4,
+            GgmlType::BF16 | GgmlType::F16 => 2,
+            other => panic!(
+                "NVFP4 weights are dequantized to f32, bf16 or f16, not {}",
+                other.name()
+            ),
+        };
+        let mut out = vec![0u8; self.rows * self.cols * size];
+        out.par_chunks_mut(self.cols * size).enumerate().for_each_init(
+            || self.scratch(),
+            |row, (r, out)| {
+                self.row(codes, scales, global, r, row);
+                let (row_codes, row_scales) = row;
+                for (c, out) in out.chunks_exact_mut(size).enumerate() {
+                    let value = fp4_blocks::CODE_VALUES[usize::from(row_codes[c])] * row_scales[c / 16];
+                    match dtype {
+                        GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
+                        GgmlType::BF16 => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
+                        _ => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
+                    }
+                }
+            },
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn f32s(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Whatever the codes, scales and global scale, every element read back is its code's
+        /// value times its group's FP8 scale over (compressed-tensors) or times (ModelOpt) the
+        /// global one, the two scales folded first; the FP4 blocks hold the same products bit
+        /// for bit; bf16 is each product rounded once.
+        #[test]
+        fn every_element_is_its_codes_value_times_its_groups_scale(
+            modelopt in any::<bool>(),
+            rows in 1usize..5,
+            col_groups in 1usize..7,
+            global_bits in 0x3000_0000u32..0x4800_0000,
+            seed in any::<u64>(),
+        ) {
+            let layout = if modelopt { Fp4Layout::ModelOpt } else { Fp4Layout::CompressedTensors };
+            let cols = col_groups * 16;
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
+            let codes: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+            // Finite, non-negative FP8 scales (NVFP4's are).
+            let scales: Vec<u8> = (0..rows * cols / 16).map(|_| (next() % 0x7f) as u8).collect();
+            let global = f32::from_bits(global_bits);
+            let weight = Fp4Weight::of(layout, &[rows, cols / 2], &[rows, cols / 16], &[1]).unwrap();
+            prop_assert_eq!(weight.fits_blocks(), cols % 32 == 0);
+            let values = f32s(&weight.dequantize(&codes, &scales, global, GgmlType::F32));
+            for r in 0..rows {
+                for c in 0..cols {
+                    let byte = codes[(r * cols + c) / 2];
+                    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let scale = F8E4M3(scales[(r * cols + c) / 16]).to_f32();
+                    let folded = if modelopt { scale * global } else { scale / global };
+                    let want = fp4_blocks::CODE_VALUES[code as usize] * folded;
+                    prop_assert_eq!(values[r * cols + c].to_bits(), want.to_bits(), "({}, {})", r, c);
+                }
+            }
+            if weight.fits_blocks() {
+                let mut widened = vec![0f32; rows * cols];
+                GgmlType::F4E2M1B32.dequantize(&weight.blocks(&codes, &scales, global), &mut widened);
+                prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+            let halves = weight.dequantize(&codes, &scales, global, GgmlType::BF16);
+            for (h, v) in halves.chunks_exact(2).zip(&values) {
+                prop_assert_eq!(bf16::from_le_bytes([h[0], h[1]]), bf16::from_f32(*v));
+            }
+        }
+    }
+
+    #[test]
+    fn parts_of_other_shapes_are_refused() {
+        let ct = Fp4Layout::CompressedTensors;
+        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], &[1]).is_ok());
+        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], &[]).is_ok());
+        for (codes, scales, global, said) in [
+            (&[2, 8, 16][..], &[8, 2][..], &[1][..], "not a matrix"),
+            (&[8, 12], &[8, 1], &[1], "whole groups of 16"),
+            (&[8, 16], &[8, 4], &[1], "one for each 16"),
+            (&[8, 16], &[8, 2], &[2], "not one value"),
+        ] {
+            let err = Fp4Weight::of(ct, codes, scales, global).unwrap_err();
+            assert!(err.contains(said), "{err}");
+        }
+    }
+
+    #[test]
+    fn schemes_are_read_or_refused_by_name() {
+        let ct = |weights: serde_json::Value| json!({"format": "nvfp4-pack-quantized", "config_groups": {"group_0": {"weights": weights}}});
+        let nvfp4 = json!({"num_bits": 4, "type": "float", "group_size": 16, "symmetric": true});
+        assert_eq!(
+            scheme_of("compressed-tensors", &ct(nvfp4)),
+            Some(Ok(Fp4Layout::CompressedTensors))
+        );
+        let err = scheme_of(
+            "compressed-tensors",
+            &ct(json!({"num_bits": 4, "type": "float", "group_size": 32})),
+        );
+        assert!(err.unwrap().unwrap_err().contains("not 4-bit floats in groups of 16"));
+        let err = scheme_of(
+            "compressed-tensors",
+            &ct(json!({"num_bits": 4, "type": "float", "group_size": 16, "symmetric": false})),
+        );
+        assert!(err.unwrap().unwrap_err().contains("zero points"));
+        assert_eq!(
+            scheme_of("compressed-tensors", &json!({"format": "pack-quantized"})),
+            None
+        );
+        assert_eq!(
+            scheme_of("modelopt", &json!({"quant_algo": "NVFP4", "group_size": 16})),
+            Some(Ok(Fp4Layout::ModelOpt))
+        );
+        let err = scheme_of("modelopt", &json!({"quant_algo": "NVFP4", "group_size": 32}));
+        assert!(err.unwrap().unwrap_err().contains("groups of 32"));
+        assert_eq!(scheme_of("modelopt", &json!({"quant_algo": "FP8"})), None);
+        assert_eq!(scheme_of("fp8", &json!({})), None);
+    }
+}
