@@ -1008,6 +1008,57 @@ fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
     );
 }
 
+/// Random weights in the FP4 blocks of an NVFP4 checkpoint (`--load-format dummy -q
+/// modelopt_fp4`, as vLLM takes it): every projection is the random bf16 matrix quantized into
+/// FP4 blocks, everything else as unquantized; a CPU artifact compiled so records the method,
+/// reads FP4 blocks and runs as the model loaded so.
+#[test]
+fn dummy_weights_take_modelopt_fp4_as_fp4_blocks() {
+    let scratch = common::scratch_dir("bbc-fp4-dummy-");
+    let config = scratch.path().join("config.json");
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
+    let config = config.to_str().unwrap();
+    let load = |quantization: Option<&str>| {
+        let options = bbc::model_ref::LoadOptions {
+            quantization: quantization.map(str::to_string),
+            quiet: true,
+            fuse: false,
+            ..Default::default()
+        };
+        bbc::model_ref::load(config, options).unwrap()
+    };
+    let (plain, quantized) = (load(None), load(Some("modelopt_fp4")));
+    let mut blocks = 0;
+    for name in plain.model.weights.names() {
+        let (was, is) = (
+            plain.model.weights.require(name).unwrap(),
+            quantized.model.weights.require(name).unwrap(),
+        );
+        if is.dtype == quant::GgmlType::F4E2M1B32 {
+            assert_eq!(is.bytes, quant::fp4_blocks::quantize_matrix(&was), "{name}");
+            blocks += 1;
+        } else {
+            assert!(is.dtype == was.dtype && is.bytes == was.bytes, "{name}");
+        }
+    }
+    assert_eq!(blocks, 21, "7 projections a layer");
+    let artifact = scratch.path().join("artifact");
+    let out = artifact.to_str().unwrap();
+    bbc(&["compile", config, "--target", "cpu", "-q", "modelopt_fp4", "-o", out]);
+    assert_eq!(
+        codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
+        Some("modelopt_fp4")
+    );
+    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
+        .unwrap()
+        .contains("f4_e2m1_b32"));
+    let run = |model: &str, extra: &[&str]| {
+        let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
+        json(&[&args[..], extra].concat())["ids"].clone()
+    };
+    assert_eq!(run(out, &[]), run(config, &["-q", "modelopt_fp4"]));
+}
+
 /// GPTQ and AWQ checkpoints run from the command line as the reference runs their products
 /// (its greedy ids over its prompt), also under vLLM's names for their kernels and with a bf16
 /// model around their blocks; another method is refused naming theirs. A CPU artifact of one

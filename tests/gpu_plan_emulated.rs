@@ -2564,22 +2564,51 @@ fn fp8_weights_made_for_the_device_equal_a_checkpoint_quantized_as_it_loads() {
 fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
     let mut config = open("llama", ComputeDtype::Bf16).config;
     config.hidden = 128;
+    let layers = config.layers;
+    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::U4B32);
+    assert_eq!(
+        made,
+        [("u4_b128", 5 * layers), ("u4_b32", 2 * layers)].into(),
+        "every projection of every layer"
+    );
+}
+
+/// The same for the FP4 blocks NVFP4 checkpoints are held as (`--quantization modelopt_fp4`
+/// over random weights: `fp4_blocks::quantize_matrix`), every projection of the 64-wide Llama.
+#[test]
+fn fp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
+    let config = open("llama", ComputeDtype::Bf16).config;
+    let layers = config.layers;
+    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::F4E2M1B32);
+    assert_eq!(made, [("f4_e2m1_b32", 7 * layers)].into());
+}
+
+/// `config` lowered without weights, its projections in `blocks`, run on an H200 plan with its
+/// blocks made on the host from the bf16 values the device would fill
+/// (`quant::tensor::quantize_matrix`) and uploaded, the rest filled on the device, against
+/// the same blocks and values uploaded: bit for bit. How many weights of each block type the
+/// graph holds, by the type's name.
+fn blocks_made_for_the_device_agree(
+    config: models::ModelConfig,
+    blocks: quant::GgmlType,
+) -> std::collections::BTreeMap<&'static str, usize> {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
         kv_cache: models::KvCacheDtype::Auto,
     };
-    let lowered = models::lower_without_weights_in_blocks(&config, options, Some(quant::GgmlType::U4B32)).unwrap();
+    let lowered = models::lower_without_weights_in_blocks(&config, options, Some(blocks)).unwrap();
     let graph = fused_for(&lowered, Target::H200);
     let seed = 4;
     let mut tensors = runtime::random_weights::host_weights(&lowered, seed);
-    let mut blocks = std::collections::BTreeMap::new();
+    let mut made = std::collections::BTreeMap::new();
     for node in lowered.nodes() {
         let ir::Op::Weight { name } = &node.op else { continue };
-        let size = match node.dtype {
-            ir::DType::U4B32 => quant::u4_blocks::Size::Of32,
-            ir::DType::U4B128 => quant::u4_blocks::Size::Of128,
-            _ => continue,
+        let Some(format) = quant::GgmlType::CHECKPOINT_BLOCKS
+            .into_iter()
+            .find(|&f| quant::tensor::ir_dtype(f) == node.dtype)
+        else {
+            continue;
         };
         let tensor = tensors.get_mut(name).unwrap();
         let view = quant::tensor::TensorView {
@@ -2587,22 +2616,18 @@ fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
             dtype: tensor.dtype,
             bytes: &tensor.bytes,
         };
-        tensor.bytes = quant::u4_blocks::quantize_matrix(&view, size);
-        tensor.dtype = size.format();
-        *blocks.entry(size.elems()).or_insert(0) += 1;
+        tensor.bytes = quant::tensor::quantize_matrix(&view, format).unwrap();
+        tensor.dtype = format;
+        *made.entry(node.dtype.name()).or_insert(0) += 1;
     }
-    let per_layer = |n: usize| n * config.layers;
-    assert_eq!(
-        blocks,
-        [(32, per_layer(2)), (128, per_layer(5))].into(),
-        "every projection of every layer"
-    );
     let weights = models::WeightSource::Memory(tensors);
     let both = generated_and_uploaded_over(config, graph, &weights, seed, 2);
-    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::U4B32));
-    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::U4B128));
+    for name in made.keys() {
+        assert!(both.plan.weights.iter().any(|w| w.dtype.name() == *name), "{name}");
+    }
     assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::BF16));
     generated_steps_agree(&both);
+    made
 }
 
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered

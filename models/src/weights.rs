@@ -149,10 +149,14 @@ impl WeightSource {
         match self {
             Self::Gguf(..) => Some("gguf"),
             Self::Safetensors(dir) => dir.quant_method.as_deref(),
-            Self::Memory(tensors) => tensors
-                .values()
-                .any(|t| t.dtype == GgmlType::F8E4M3B32)
-                .then_some(crate::fp8_on_load::METHOD),
+            Self::Memory(tensors) => {
+                let holds = |dtype: GgmlType| tensors.values().any(|t| t.dtype == dtype);
+                match () {
+                    _ if holds(GgmlType::F8E4M3B32) => Some(crate::fp8_on_load::METHOD),
+                    _ if holds(GgmlType::F4E2M1B32) => Some("modelopt"),
+                    _ => None,
+                }
+            }
         }
     }
 
@@ -162,8 +166,10 @@ impl WeightSource {
     /// in memory, vLLM's `--load-format dummy`) also as the 4-bit blocks a GPTQ, AWQ or
     /// compressed-tensors checkpoint is held as (`gptq`, `awq`, `compressed-tensors`: each
     /// block rounded to nearest, `quant::u4_blocks::quantize_matrix`, blocks of 128 where the
-    /// rows are whole blocks of 128, as groups of 128 are held, else of 32). Anything else is
-    /// refused, naming what the weights hold.
+    /// rows are whole blocks of 128, as groups of 128 are held, else of 32), and as the FP4
+    /// blocks an NVFP4 checkpoint is held as (`modelopt_fp4`, as vLLM names ModelOpt's NVFP4:
+    /// `quant::fp4_blocks::quantize_matrix`). Anything else is refused, naming what the weights
+    /// hold.
     pub fn quantize_as(&mut self, asked: &str) -> Result<()> {
         let named = crate::checkpoint_quantization::method_named(asked);
         let refused = |what: String| ModelError::Quantization {
@@ -176,10 +182,12 @@ impl WeightSource {
             Some(held) => return Err(refused(format!("the model's weights are quantized as `{held}`"))),
             None if named == crate::fp8_on_load::METHOD => GgmlType::F8E4M3B32,
             None if random && matches!(named.as_str(), "gptq" | "awq" | "compressed-tensors") => GgmlType::U4B32,
+            None if random && asked.eq_ignore_ascii_case("modelopt_fp4") => GgmlType::F4E2M1B32,
             None => {
                 return Err(refused(format!(
                     "the model's weights are not quantized, and bbc quantizes them as they load as `{}` only \
-                     (random weights also as `gptq`, `awq` or `compressed-tensors`; else give it a checkpoint \
+                     (random weights also as `gptq`, `awq`, `compressed-tensors` or `modelopt_fp4`; else give it a \
+                     checkpoint \
                      quantized so, or a GGUF file)",
                     crate::fp8_on_load::METHOD
                 )))
@@ -197,14 +205,16 @@ impl WeightSource {
                             dtype: tensor.dtype,
                             bytes: &tensor.bytes,
                         };
-                        (tensor.bytes, tensor.dtype) = match blocks {
-                            GgmlType::U4B32 => {
-                                let size = quant::u4_blocks::Size::widest(tensor.shape[1], None)
-                                    .expect("rows of whole blocks of 32");
-                                (quant::u4_blocks::quantize_matrix(&view, size), size.format())
-                            }
-                            _ => (crate::fp8_on_load::quantize(&view), blocks),
+                        // 4-bit blocks as wide as the rows allow.
+                        let format = match blocks {
+                            GgmlType::U4B32 => quant::u4_blocks::Size::widest(tensor.shape[1], None)
+                                .expect("rows of whole blocks of 32")
+                                .format(),
+                            blocks => blocks,
                         };
+                        tensor.bytes =
+                            quant::tensor::quantize_matrix(&view, format).expect("a checkpoint block format");
+                        tensor.dtype = format;
                         count += 1;
                     }
                 }

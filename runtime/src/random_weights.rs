@@ -155,19 +155,11 @@ pub(crate) fn make_weight<D: PlanDevice>(
                 dtype: tensor.dtype,
                 bytes: &tensor.bytes,
             };
-            let blocks = match w.dtype {
-                DType::F8E4M3B32 => Some((quant::fp8_blocks::quantize_matrix(&view), quant::GgmlType::F8E4M3B32)),
-                DType::U4B32 | DType::U4B128 => {
-                    let size = match w.dtype {
-                        DType::U4B32 => quant::u4_blocks::Size::Of32,
-                        _ => quant::u4_blocks::Size::Of128,
-                    };
-                    Some((quant::u4_blocks::quantize_matrix(&view, size), size.format()))
-                }
-                _ => None,
-            };
-            if let Some((bytes, dtype)) = blocks {
-                (tensor.bytes, tensor.dtype) = (bytes, dtype);
+            let format = quant::GgmlType::CHECKPOINT_BLOCKS
+                .into_iter()
+                .find(|&f| quant::tensor::ir_dtype(f) == w.dtype);
+            if let Some(bytes) = format.and_then(|f| quant::tensor::quantize_matrix(&view, f)) {
+                (tensor.bytes, tensor.dtype) = (bytes, format.expect("a format"));
             }
             tensors.insert(name.to_string(), tensor);
         }

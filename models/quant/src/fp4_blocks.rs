@@ -58,6 +58,43 @@ pub fn block(scales: [f32; 2], codes: &[u8; 32]) -> [u8; BLOCK_BYTES] {
     out
 }
 
+/// The E2M1 code nearest `x` (ties to the even code; beyond ±6 the largest magnitude; NaN to
+/// 0).
+pub fn nearest_code(x: f32) -> u8 {
+    let magnitude = x.abs();
+    let mut best = 0usize;
+    for (code, &value) in CODE_VALUES[..8].iter().enumerate() {
+        let (d, best_d) = ((magnitude - value).abs(), (magnitude - CODE_VALUES[best]).abs());
+        if d < best_d || d == best_d && code % 2 == 0 {
+            best = code;
+        }
+    }
+    match x.is_sign_negative() && best != 0 {
+        true => best as u8 | 8,
+        false => best as u8,
+    }
+}
+
+/// 32 weights quantized as an NVFP4 checkpoint of them with a global scale of 1 would be: each
+/// group of 16's scale its largest magnitude over 6 rounded to E4M3 (at least E4M3's least,
+/// 2⁻⁹), each code the weight over its scale rounded to the nearest E2M1 value.
+pub fn quantize_block(x: &[f32]) -> [u8; BLOCK_BYTES] {
+    debug_assert_eq!(x.len(), BLOCK_ELEMS);
+    let scale = |group: &[f32]| {
+        let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+        ir::F8E4M3::from_f32(amax / 6.0).to_f32().max(2f32.powi(-9))
+    };
+    let scales = [scale(&x[..16]), scale(&x[16..])];
+    let codes = std::array::from_fn(|e| nearest_code(x[e] / scales[e / GROUP_ELEMS]));
+    block(scales, &codes)
+}
+
+/// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) as FP4
+/// blocks ([`quantize_block`]), row by row on the pool.
+pub fn quantize_matrix(view: &crate::tensor::TensorView<'_>) -> Vec<u8> {
+    crate::tensor::quantize_blocks_of_32(view, quantize_block)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,6 +114,57 @@ mod tests {
                 assert_eq!(got.to_bits(), want.to_bits(), "element {e}");
             }
         }
+    }
+
+    /// Rounding to the nearest code, ties to even codes, saturating past 6.
+    #[test]
+    fn nearest_codes_round_to_nearest_ties_to_even() {
+        for (x, want) in [
+            (0.0, 0u8),
+            (0.25, 0),
+            (0.26, 1),
+            (0.75, 2),
+            (1.25, 2),
+            (1.75, 4),
+            (2.5, 4),
+            (3.5, 6),
+            (5.0, 6),
+            (5.1, 7),
+            (100.0, 7),
+            (-1.5, 11),
+            (-0.1, 0),
+        ] {
+            assert_eq!(nearest_code(x), want, "{x}");
+        }
+        assert_eq!(nearest_code(f32::NAN), 0);
+    }
+
+    /// Quantized blocks: each group's scale an E4M3 value, every weight within half a step of
+    /// its code's value where the step is the gap between the codes around it, zeros zero.
+    #[test]
+    fn quantized_blocks_hold_the_nearest_codes() {
+        for b in 0..100usize {
+            let x: [f32; 32] = std::array::from_fn(|i| {
+                let v = (((b * 32 + i) * 2654435761usize) >> 7) % 2001;
+                (v as f32 - 1000.0) * 1e-3 * (1 + (b + i / 16) % 7) as f32
+            });
+            let bytes = quantize_block(&x);
+            let mut got = [0f32; 32];
+            dequantize_block(&bytes, &mut got);
+            for (e, (&g, &w)) in got.iter().zip(&x).enumerate() {
+                let scale = scales(&bytes)[e / 16];
+                assert_eq!(ir::F8E4M3::from_f32(scale).to_f32(), scale);
+                // E2M1's widest gap is 2 (between 4 and 6); past 6 the code saturates.
+                assert!(
+                    (g - w).abs() <= scale * 1.0 + 1e-6,
+                    "block {b} element {e}: {g} for {w}"
+                );
+                assert_eq!(code(&bytes, e), nearest_code(w / scale));
+            }
+        }
+        let mut zeros = [1f32; 32];
+        dequantize_block(&quantize_block(&[0.0; 32]), &mut zeros);
+        assert_eq!(zeros, [0.0; 32]);
     }
 
     /// The table is E2M1's: sign, exponent (bias 1) and mantissa bits decoded.

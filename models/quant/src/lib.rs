@@ -210,11 +210,14 @@ impl GgmlType {
         }
     }
 
-    /// Whether this is one of bbc's own block formats, in which FP8, integer and NVFP4
-    /// checkpoints' weights are held as they are (no GGUF file has them): such weights stay in
-    /// it whatever type a model computes in.
+    /// bbc's own block formats, in which FP8, integer and NVFP4 checkpoints' weights are held
+    /// as they are (no GGUF file has them): such weights stay in them whatever type a model
+    /// computes in.
+    pub const CHECKPOINT_BLOCKS: [Self; 4] = [Self::F8E4M3B32, Self::U4B32, Self::U4B128, Self::F4E2M1B32];
+
+    /// Whether this is one of [`Self::CHECKPOINT_BLOCKS`].
     pub fn is_checkpoint_blocks(self) -> bool {
-        matches!(self, Self::F8E4M3B32 | Self::U4B32 | Self::U4B128 | Self::F4E2M1B32)
+        Self::CHECKPOINT_BLOCKS.contains(&self)
     }
 
     /// Bytes taken by `elems` elements, or `None` when `elems` is not a whole number of blocks.

@@ -200,18 +200,19 @@ pub fn lower_without_weights_quantized(
 }
 
 /// [`lower_without_weights`] with the weights a checkpoint quantized as it loads would
-/// quantize (`fp8_on_load::quantizes`) held as `blocks` (FP8 blocks, or the 4-bit blocks a
-/// GPTQ, AWQ or compressed-tensors checkpoint's 4-bit weights are held as): for timing a
-/// quantized model's shape with weights made where it runs.
+/// quantize (`fp8_on_load::quantizes`) held as `blocks` (FP8 blocks, the 4-bit blocks a
+/// GPTQ, AWQ or compressed-tensors checkpoint's 4-bit weights are held as, or the FP4 blocks
+/// an NVFP4 checkpoint's are): for timing a quantized model's shape with weights made where it
+/// runs.
 pub fn lower_without_weights_in_blocks(
     config: &ModelConfig,
     options: LowerOptions,
     blocks: Option<GgmlType>,
 ) -> Result<Graph> {
-    if let Some(other) = blocks.filter(|b| !matches!(b, GgmlType::F8E4M3B32 | GgmlType::U4B32 | GgmlType::U4B128)) {
+    if let Some(other) = blocks.filter(|b| !b.is_checkpoint_blocks()) {
         return Err(ModelError::Quantization {
             asked: other.name().to_string(),
-            what: "a model without weights is held in FP8 or 4-bit blocks only".into(),
+            what: "a model without weights is held in FP8, 4-bit or FP4 blocks only".into(),
         });
     }
     build(config, Catalog::Implied { blocks }, options)
