@@ -986,20 +986,7 @@ fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
         }
         assert_eq!((of_32, of_128), (3, 18), "{method}: 7 projections a layer");
     }
-    let artifact = scratch.path().join("artifact");
-    let out = artifact.to_str().unwrap();
-    bbc(&["compile", config, "--target", "cpu", "-q", "awq", "-o", out]);
-    assert_eq!(
-        codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
-        Some("awq")
-    );
-    let graph = std::fs::read_to_string(artifact.join("graph.ir")).unwrap();
-    assert!(graph.contains("u4_b32") && graph.contains("u4_b128"));
-    let run = |model: &str, extra: &[&str]| {
-        let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
-        json(&[&args[..], extra].concat())["ids"].clone()
-    };
-    assert_eq!(run(out, &[]), run(config, &["-q", "awq"]));
+    quantized_artifact_runs_as_loaded(scratch.path(), config, "awq", &["u4_b32", "u4_b128"]);
     let plain_dir = common::fixture("hf-tiny/llama");
     let err = refused(&["run", plain_dir.to_str().unwrap(), "--prompt-ids", "1", "-q", "awq"]);
     assert!(
@@ -1042,21 +1029,29 @@ fn dummy_weights_take_modelopt_fp4_as_fp4_blocks() {
         }
     }
     assert_eq!(blocks, 21, "7 projections a layer");
-    let artifact = scratch.path().join("artifact");
+    quantized_artifact_runs_as_loaded(scratch.path(), config, "modelopt_fp4", &["f4_e2m1_b32"]);
+}
+
+/// `config` compiled for the CPU with `-q method` into `dir/artifact`: its manifest records
+/// the method, its graph reads weights of each of `dtypes`, and it generates what `config`
+/// run with `-q method` generates.
+fn quantized_artifact_runs_as_loaded(dir: &std::path::Path, config: &str, method: &str, dtypes: &[&str]) {
+    let artifact = dir.join("artifact");
     let out = artifact.to_str().unwrap();
-    bbc(&["compile", config, "--target", "cpu", "-q", "modelopt_fp4", "-o", out]);
+    bbc(&["compile", config, "--target", "cpu", "-q", method, "-o", out]);
     assert_eq!(
         codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
-        Some("modelopt_fp4")
+        Some(method)
     );
-    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
-        .unwrap()
-        .contains("f4_e2m1_b32"));
+    let graph = std::fs::read_to_string(artifact.join("graph.ir")).unwrap();
+    for dtype in dtypes {
+        assert!(graph.contains(dtype), "{method}: no {dtype} in the graph");
+    }
     let run = |model: &str, extra: &[&str]| {
         let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
         json(&[&args[..], extra].concat())["ids"].clone()
     };
-    assert_eq!(run(out, &[]), run(config, &["-q", "modelopt_fp4"]));
+    assert_eq!(run(out, &[]), run(config, &["-q", method]));
 }
 
 /// GPTQ and AWQ checkpoints run from the command line as the reference runs their products
@@ -1134,28 +1129,5 @@ fn dummy_weights_quantize_as_they_load() {
         fp8 += usize::from(a.dtype == quant::GgmlType::F8E4M3B32);
     }
     assert_eq!(fp8, 21, "7 projections a layer");
-    let artifact = scratch.path().join("artifact");
-    let out = artifact.to_str().unwrap();
-    bbc(&[
-        "compile",
-        config.to_str().unwrap(),
-        "--target",
-        "cpu",
-        "-q",
-        "fp8",
-        "-o",
-        out,
-    ]);
-    assert_eq!(
-        codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
-        Some("fp8")
-    );
-    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
-        .unwrap()
-        .contains("f8_e4m3_b32"));
-    let run = |model: &str, extra: &[&str]| {
-        let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
-        json(&[&args[..], extra].concat())["ids"].clone()
-    };
-    assert_eq!(run(out, &[]), run(config.to_str().unwrap(), &["-q", "fp8"]));
+    quantized_artifact_runs_as_loaded(scratch.path(), config.to_str().unwrap(), "fp8", &["f8_e4m3_b32"]);
 }

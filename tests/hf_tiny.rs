@@ -914,17 +914,35 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
     };
     let err = models::lower_without_weights_quantized(&models::ModelConfig::llama3_8b(), options, Some("awq"));
     assert!(err.unwrap_err().to_string().contains("`fp8` only"));
-    // In 4-bit blocks, the graph a GPTQ checkpoint of the same projections gives.
-    let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama_gptq"));
-    spec.dtype = ComputeDtype::Bf16;
-    spec.quantization = Some("gptq".into());
-    let gptq = Model::open(spec).unwrap();
-    let implied = models::lower_without_weights_in_blocks(&gptq.config, options, Some(quant::GgmlType::U4B32)).unwrap();
-    let lowered = gptq.lower(LogitsFor::LastToken).unwrap().to_text();
-    assert!(lowered.contains("u4_b32"));
-    assert_eq!(implied.to_text(), lowered, "llama in 4-bit blocks");
-    let err = models::lower_without_weights_in_blocks(&gptq.config, options, Some(quant::GgmlType::Q4K));
-    assert!(err.unwrap_err().to_string().contains("FP8 or 4-bit blocks only"));
+    // In 4-bit blocks, the graph a GPTQ checkpoint of the same projections gives (the 128-wide
+    // Llama's in blocks of 128 but its down projection's), and in FP4 blocks an NVFP4 one's.
+    for (name, method, blocks, held) in [
+        ("llama_gptq", "gptq", quant::GgmlType::U4B32, &["u4_b32"][..]),
+        (
+            "llama_gptq_g128",
+            "gptq",
+            quant::GgmlType::U4B32,
+            &["u4_b32", "u4_b128"],
+        ),
+        (
+            "llama_nvfp4",
+            "compressed-tensors",
+            quant::GgmlType::F4E2M1B32,
+            &["f4_e2m1_b32"],
+        ),
+    ] {
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+        spec.dtype = ComputeDtype::Bf16;
+        spec.quantization = Some(method.into());
+        let checkpoint = Model::open(spec).unwrap();
+        let implied = models::lower_without_weights_in_blocks(&checkpoint.config, options, Some(blocks)).unwrap();
+        let lowered = checkpoint.lower(LogitsFor::LastToken).unwrap().to_text();
+        assert!(held.iter().all(|dtype| lowered.contains(dtype)), "{name}");
+        assert_eq!(implied.to_text(), lowered, "{name}");
+    }
+    let config = open("llama").config;
+    let err = models::lower_without_weights_in_blocks(&config, options, Some(quant::GgmlType::Q4K));
+    assert!(err.unwrap_err().to_string().contains("FP8, 4-bit or FP4 blocks only"));
     let eight_b = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
@@ -1291,15 +1309,7 @@ fn integer_checkpoints_match_hf() {
             U4B32,
         ),
     ] {
-        check_reference_interpreter(name);
-        check_cpu_backend(name);
-        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
-        spec.dtype = ComputeDtype::Native;
-        let native = Model::open(spec).unwrap();
-        assert_eq!(native.weights.quantization(), Some(method), "{name}");
-        assert_eq!(native.weights.require(weight).unwrap().dtype, held, "{name}");
-        check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
-        check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
+        check_quantized_checkpoint(name, method, weight, held);
     }
     let shared_down = "model.layers.1.mlp.shared_expert.down_proj.weight";
     let native = Model::open(ModelSpec {
@@ -1352,15 +1362,7 @@ fn nvfp4_checkpoints_match_hf() {
             "model.layers.1.mlp.experts.0.down_proj.weight",
         ),
     ] {
-        check_reference_interpreter(name);
-        check_cpu_backend(name);
-        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
-        spec.dtype = ComputeDtype::Native;
-        let native = Model::open(spec).unwrap();
-        assert_eq!(native.weights.quantization(), Some(method), "{name}");
-        assert_eq!(native.weights.require(weight).unwrap().dtype, F4E2M1B32, "{name}");
-        check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
-        check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
+        check_quantized_checkpoint(name, method, weight, F4E2M1B32);
     }
     let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/qwen3_next_nvfp4"));
     spec.dtype = ComputeDtype::Native;
@@ -1368,6 +1370,20 @@ fn nvfp4_checkpoints_match_hf() {
     let native = Model::open(spec).unwrap();
     let shared_down = "model.layers.1.mlp.shared_expert.down_proj.weight";
     assert_eq!(native.weights.require(shared_down).unwrap().dtype, F32);
+}
+
+/// The quantized checkpoint `name` matches its reference read into f32 (interpreter, CPU
+/// backend) and held as stored (its method `method`, `weight` held as `held`).
+fn check_quantized_checkpoint(name: &str, method: &str, weight: &str, held: quant::GgmlType) {
+    check_reference_interpreter(name);
+    check_cpu_backend(name);
+    let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+    spec.dtype = ComputeDtype::Native;
+    let native = Model::open(spec).unwrap();
+    assert_eq!(native.weights.quantization(), Some(method), "{name}");
+    assert_eq!(native.weights.require(weight).unwrap().dtype, held, "{name}");
+    check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
+    check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
 }
 
 /// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)

@@ -653,8 +653,6 @@ fn unreadable_integer_checkpoints_are_named() {
     let packed = serde_json::json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
         "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}}}});
     use safetensors::Dtype::{F16, I32, I64};
-    // A tensor of the file: its name, type, shape and bytes.
-    type Tensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
     // A 16 × 64 weight in GPTQ's layout: 8 × 16 words of levels, two groups of 16 scales and
     // of zero points (two words a group), and each column's group.
     let qweight = ("w.qweight", I32, vec![8, 16], vec![0u8; 8 * 16 * 4]);
@@ -753,23 +751,39 @@ fn unreadable_integer_checkpoints_are_named() {
         ),
     ];
     for (quantization, tensors, needle) in cases {
-        let mut config = config.clone();
-        if quantization.is_null() {
-            config.as_object_mut().unwrap().remove("quantization_config");
-        } else {
-            config["quantization_config"] = quantization;
-        }
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-        let views = tensors.iter().map(|(name, dtype, shape, data)| {
-            (
-                name.to_string(),
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
-        });
-        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-        let err = open_error(dir);
-        assert!(err.contains(needle), "{needle}: {err}");
+        assert_quantized_refused(dir, &config, quantization, &tensors, needle);
     }
+}
+
+/// A tensor of a checkpoint written by a test: its name, type, shape and bytes.
+type Tensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// The model of `config` with `quantization` as its `quantization_config` (none where null)
+/// and `tensors` as its weights, written to `dir`, is refused with an error containing
+/// `needle`.
+fn assert_quantized_refused(
+    dir: &std::path::Path,
+    config: &serde_json::Value,
+    quantization: serde_json::Value,
+    tensors: &[Tensor],
+    needle: &str,
+) {
+    let mut config = config.clone();
+    if quantization.is_null() {
+        config.as_object_mut().unwrap().remove("quantization_config");
+    } else {
+        config["quantization_config"] = quantization;
+    }
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let views = tensors.iter().map(|(name, dtype, shape, data)| {
+        (
+            name.to_string(),
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+        )
+    });
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let err = open_error(dir);
+    assert!(err.contains(needle), "{needle}: {err}");
 }
 
 /// NVFP4 weights that cannot be read are refused naming the weight and what is wrong: codes
@@ -783,7 +797,6 @@ fn unreadable_nvfp4_checkpoints_are_named() {
         serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
     let modelopt = serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
     use safetensors::Dtype::{F32, F8_E4M3, I32, U8};
-    type Tensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
     // A 16 × 64 weight in ModelOpt's layout: 16 rows of 32 code bytes, four groups' scales.
     let codes: Tensor = ("w.weight", U8, vec![16, 32], vec![0u8; 16 * 32]);
     let scales: Tensor = ("w.weight_scale", F8_E4M3, vec![16, 4], vec![0x38u8; 64]);
@@ -829,17 +842,6 @@ fn unreadable_nvfp4_checkpoints_are_named() {
         ),
     ];
     for (quantization, tensors, needle) in cases {
-        let mut config = config.clone();
-        config["quantization_config"] = quantization;
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-        let views = tensors.iter().map(|(name, dtype, shape, data)| {
-            (
-                name.to_string(),
-                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
-            )
-        });
-        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-        let err = open_error(dir);
-        assert!(err.contains(needle), "{needle}: {err}");
+        assert_quantized_refused(dir, &config, quantization, &tensors, needle);
     }
 }

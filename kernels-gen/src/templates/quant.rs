@@ -391,70 +391,57 @@ fn fp8_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<St
 }
 
 /// [`block_weights`] of a run of 32 4-bit levels (`quant::u4_blocks`; a block of 32, or run
-/// `run` of a block of 128): the block's f32 scale and offset, then four bytes of the run's
-/// levels a load (blocks are 24 or 72 bytes, so every word of them is aligned), each byte two
-/// weights, element `j`'s level and element `j + 16`'s; each weight its level times the scale
-/// plus the offset.
+/// `run` of a block of 128): each weight its level times the block's f32 scale plus its
+/// offset.
 fn u4_block_weights(prefix: &str, base: Expr, run: Option<Expr>, elements: Range<usize>) -> Vec<Stmt> {
+    let words = [("s", "blk_d"), ("m", "blk_m")];
+    nibble_block_weights(prefix, base, run, words, elements, |level, _| {
+        var("blk_d") * f32_of(level) + var("blk_m")
+    })
+}
+
+/// [`block_weights`] of a block of FP4 codes (`quant::fp4_blocks`): each weight its code's
+/// value times its group's f32 scale (the first for elements `0..16`, the second for the rest).
+fn fp4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
+    let words = [("s", "blk_d0"), ("t", "blk_d1")];
+    nibble_block_weights(prefix, base, None, words, elements, |code, high| {
+        e2m1(code) * var(if high { "blk_d1" } else { "blk_d0" })
+    })
+}
+
+/// The weights `elements` of a block whose first eight bytes are two f32s (declared as
+/// `words`' names, read byte by byte into locals of their prefixes) and whose 32 4-bit values
+/// follow in 16 bytes (or run `run`'s 16 bytes of them), four bytes a load (blocks of 24 or 72
+/// bytes, so every word is aligned), each byte two weights, element `j`'s value (low nibble)
+/// and element `j + 16`'s (high): each `weight(value, high)`.
+fn nibble_block_weights(
+    prefix: &str,
+    base: Expr,
+    run: Option<Expr>,
+    words: [(&str, &str); 2],
+    elements: Range<usize>,
+    weight: impl Fn(Expr, bool) -> Expr,
+) -> Vec<Stmt> {
     let at = |offset: i64| var("blk_at") + int(offset);
-    let words = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
-    let (scale, offset) = (words("s"), words("m"));
+    let bytes_of = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
+    let (first, second) = (bytes_of(words[0].0), bytes_of(words[1].0));
     let mut s = vec![
         let_("blk_at", Ty::I32, base),
-        load_vec("w", at(0), &scale),
-        load_vec("w", at(4), &offset),
+        load_vec("w", at(0), &first),
+        load_vec("w", at(4), &second),
     ];
-    // Where the run's levels start: right after the scale and offset in a block of 32.
+    // Where the run's values start: right after the two words in a block of 32.
     let runs = run.is_some();
     if let Some(run) = run {
         s.push(let_("blk_qs", Ty::I32, at(8) + run * int(16)));
     }
-    let level_word = |word: i64| match runs {
+    let value_word = |word: i64| match runs {
         true => var("blk_qs") + int(4 * word),
         false => at(8 + 4 * word),
     };
-    s.push(let_("blk_d", Ty::F32, f32_of_bytes(scale.iter().map(|b| var(b)))));
-    s.push(let_("blk_m", Ty::F32, f32_of_bytes(offset.iter().map(|b| var(b)))));
-    for word in 0..4 {
-        let bytes = 4 * word..4 * word + 4;
-        if !bytes
-            .clone()
-            .any(|j| elements.contains(&j) || elements.contains(&(j + 16)))
-        {
-            continue;
-        }
-        let names: Vec<String> = bytes.clone().map(|j| format!("blk_b{j}")).collect();
-        s.push(load_vec("w", level_word(word as i64), &names));
-        for (j, b) in bytes.zip(&names) {
-            for (e, level) in [(j, mask_bits(var(b), 15)), (j + 16, shr(var(b), int(4)))] {
-                if elements.contains(&e) {
-                    s.push(let_(
-                        &format!("{prefix}{e}"),
-                        Ty::F32,
-                        var("blk_d") * f32_of(level) + var("blk_m"),
-                    ));
-                }
-            }
-        }
+    for ((_, name), bytes) in words.iter().zip([&first, &second]) {
+        s.push(let_(name, Ty::F32, f32_of_bytes(bytes.iter().map(|b| var(b)))));
     }
-    s
-}
-
-/// [`block_weights`] of a block of FP4 codes (`quant::fp4_blocks`): its two f32 scales, then
-/// four bytes of codes a load (a block is 24 bytes, so every word of it is aligned), each byte
-/// two weights, element `j`'s code (under the first scale) and element `j + 16`'s (under the
-/// second); each weight its code's value times its scale.
-fn fp4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
-    let at = |offset: i64| var("blk_at") + int(offset);
-    let words = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
-    let (low, high) = (words("s"), words("t"));
-    let mut s = vec![
-        let_("blk_at", Ty::I32, base),
-        load_vec("w", at(0), &low),
-        load_vec("w", at(4), &high),
-    ];
-    s.push(let_("blk_d0", Ty::F32, f32_of_bytes(low.iter().map(|b| var(b)))));
-    s.push(let_("blk_d1", Ty::F32, f32_of_bytes(high.iter().map(|b| var(b)))));
     for word in 0..4 {
         let bytes = 4 * word..4 * word + 4;
         if !bytes
@@ -464,14 +451,11 @@ fn fp4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<St
             continue;
         }
         let names: Vec<String> = bytes.clone().map(|j| format!("blk_b{j}")).collect();
-        s.push(load_vec("w", at(8 + 4 * word as i64), &names));
+        s.push(load_vec("w", value_word(word as i64), &names));
         for (j, b) in bytes.zip(&names) {
-            for (e, code, scale) in [
-                (j, mask_bits(var(b), 15), "blk_d0"),
-                (j + 16, shr(var(b), int(4)), "blk_d1"),
-            ] {
+            for (e, value, high) in [(j, mask_bits(var(b), 15), false), (j + 16, shr(var(b), int(4)), true)] {
                 if elements.contains(&e) {
-                    s.push(let_(&format!("{prefix}{e}"), Ty::F32, e2m1(code) * var(scale)));
+                    s.push(let_(&format!("{prefix}{e}"), Ty::F32, weight(value, high)));
                 }
             }
         }

@@ -70,44 +70,22 @@ impl Fp8Blocks {
 
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
-    /// reads has a layout; rows of no whole number of blocks are refused); FP8 blocks as they
-    /// are.
+    /// reads has a layout; rows of no whole number of blocks are refused); FP8, 4-bit and FP4
+    /// blocks as they are.
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
-        if dtype == GgmlType::F8E4M3B32 {
-            return match row_bytes > 0
-                && row_bytes.is_multiple_of(quant::fp8_blocks::BLOCK_BYTES)
-                && bytes.len().is_multiple_of(row_bytes)
-            {
-                true => Ok(Storage::Fp8Blocks(Fp8Blocks::new(bytes))),
-                false => Err(format!(
+        if dtype.is_checkpoint_blocks() {
+            let (_, block_bytes) = dtype.block_layout();
+            if row_bytes == 0 || !row_bytes.is_multiple_of(block_bytes) || !bytes.len().is_multiple_of(row_bytes) {
+                return Err(format!(
                     "{} rows of {row_bytes} bytes are not whole blocks",
                     dtype.name()
-                )),
-            };
-        }
-        if let Some(size) = u4_blocks::Size::of(dtype) {
-            return match row_bytes > 0
-                && row_bytes.is_multiple_of(size.bytes())
-                && bytes.len().is_multiple_of(row_bytes)
-            {
-                true => Ok(Storage::U4Blocks(size, bytes)),
-                false => Err(format!(
-                    "{} rows of {row_bytes} bytes are not whole blocks",
-                    dtype.name()
-                )),
-            };
-        }
-        if dtype == GgmlType::F4E2M1B32 {
-            return match row_bytes > 0
-                && row_bytes.is_multiple_of(quant::fp4_blocks::BLOCK_BYTES)
-                && bytes.len().is_multiple_of(row_bytes)
-            {
-                true => Ok(Storage::Fp4Blocks(bytes)),
-                false => Err(format!(
-                    "{} rows of {row_bytes} bytes are not whole blocks",
-                    dtype.name()
-                )),
-            };
+                ));
+            }
+            return Ok(match u4_blocks::Size::of(dtype) {
+                Some(size) => Storage::U4Blocks(size, bytes),
+                None if dtype == GgmlType::F4E2M1B32 => Storage::Fp4Blocks(bytes),
+                None => Storage::Fp8Blocks(Fp8Blocks::new(bytes)),
+            });
         }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::Interleaved(rows));
