@@ -1193,15 +1193,17 @@ fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     check_held_blocks("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1);
 }
 
-/// NVFP4 checkpoints held as FP4 blocks run their plans as the CPU backend runs them:
-/// compressed-tensors' Llama on the B200 (NVFP4's own GPU), ModelOpt's Qwen3-Next (experts,
-/// Gated DeltaNet, attention; its shared expert's 48-column down projection dequantized to
-/// f32) on Hopper; tolerances as for the integer checkpoints above.
+/// FP4 checkpoints held as FP4 blocks run their plans as the CPU backend runs them:
+/// compressed-tensors' NVFP4 Llama on the B200 (NVFP4's own GPU), ModelOpt's NVFP4 Qwen3-Next
+/// (experts, Gated DeltaNet, attention; its shared expert's 48-column down projection
+/// dequantized to f32) on Hopper, compressed-tensors' MXFP4 Llama on the RTX PRO 6000;
+/// tolerances as for the integer checkpoints above.
 #[test]
-fn nvfp4_checkpoints_run_their_plans_as_the_cpu_backend_does() {
+fn fp4_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     use quant::GgmlType::F4E2M1B32;
     check_held_blocks("llama_nvfp4", Target::B200, &[F4E2M1B32], 2e-2);
     check_held_blocks("qwen3_next_nvfp4", Target::H200, &[F4E2M1B32], 1e-1);
+    check_held_blocks("llama_mxfp4", Target::RtxPro6000, &[F4E2M1B32], 2e-2);
 }
 
 /// The checkpoint `family`, its weights held as they are stored, runs `target`'s plans as the

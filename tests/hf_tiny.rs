@@ -1339,16 +1339,17 @@ fn integer_checkpoints_match_hf() {
     }
 }
 
-/// NVFP4 checkpoints: compressed-tensors' (`llama_nvfp4`, `code · scale / global`) and
-/// ModelOpt's (`qwen3_next_nvfp4`: experts, shared expert, Gated DeltaNet and attention,
-/// `code · scale · scale_2`, with the activations' `input_scale` beside each weight, not used).
+/// FP4 checkpoints: NVFP4 as compressed-tensors (`llama_nvfp4`, `code · scale / global`) and
+/// ModelOpt (`qwen3_next_nvfp4`: experts, shared expert, Gated DeltaNet and attention,
+/// `code · scale · scale_2`, with the activations' `input_scale` beside each weight, not used)
+/// write it, and MXFP4 as compressed-tensors does (`llama_mxfp4`, `code · 2^(e − 127)`).
 /// Each weight is its code's value times its group's folded f32 scale, held as FP4 blocks where
 /// its rows are whole blocks of 32, else (Qwen3-Next's 48-column shared-expert down
 /// projection) as the checkpoint's f32: logits at every prompt row and cached step, and greedy
 /// ids, through the interpreter and the CPU backend, against transformers over those products.
 /// vLLM's `modelopt_fp4` names ModelOpt's.
 #[test]
-fn nvfp4_checkpoints_match_hf() {
+fn fp4_checkpoints_match_hf() {
     use quant::GgmlType::{F32, F4E2M1B32};
     for (name, method, weight) in [
         (
@@ -1360,6 +1361,11 @@ fn nvfp4_checkpoints_match_hf() {
             "qwen3_next_nvfp4",
             "modelopt",
             "model.layers.1.mlp.experts.0.down_proj.weight",
+        ),
+        (
+            "llama_mxfp4",
+            "compressed-tensors",
+            "model.layers.1.mlp.down_proj.weight",
         ),
     ] {
         check_quantized_checkpoint(name, method, weight, F4E2M1B32);

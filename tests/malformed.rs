@@ -786,11 +786,12 @@ fn assert_quantized_refused(
     assert!(err.contains(needle), "{needle}: {err}");
 }
 
-/// NVFP4 weights that cannot be read are refused naming the weight and what is wrong: codes
-/// without their FP8 scales or their global scale, codes that are not bytes, scales of another
-/// shape, a global scale of zero; and a config of groups other than 16.
+/// FP4 weights that cannot be read are refused naming the weight and what is wrong: NVFP4
+/// codes without their FP8 scales or their global scale, codes that are not bytes, scales of
+/// another shape, a global scale of zero, MXFP4 codes without their exponents; and a config of
+/// groups other than 16.
 #[test]
-fn unreadable_nvfp4_checkpoints_are_named() {
+fn unreadable_fp4_checkpoints_are_named() {
     let scratch = common::scratch_dir("bbc-malformed-fp4-");
     let dir = scratch.path();
     let config: serde_json::Value =
@@ -805,7 +806,7 @@ fn unreadable_nvfp4_checkpoints_are_named() {
         (
             modelopt.clone(),
             vec![codes.clone(), global(1.0)],
-            "NVFP4 weight `w.weight`: it has no FP8 `w.weight_scale`",
+            "FP4 weight `w.weight`: it has no FP8 `w.weight_scale`",
         ),
         (
             modelopt.clone(),
@@ -839,6 +840,12 @@ fn unreadable_nvfp4_checkpoints_are_named() {
             serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}),
             vec![codes.clone(), scales.clone(), global(1.0)],
             "groups of 32",
+        ),
+        (
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 4, "group_size": 32}}}}),
+            vec![("w.weight_packed", U8, vec![16, 32], vec![0u8; 16 * 32])],
+            "it has no E8M0 (U8) `w.weight_scale`",
         ),
     ];
     for (quantization, tensors, needle) in cases {

@@ -1,14 +1,17 @@
-//! NVFP4 checkpoints: linear weights stored as FP4 E2M1 codes, two to a byte (a byte's low
-//! nibble the even column), with an FP8 E4M3 scale for each 16 columns of a row and an f32
-//! scale for the whole tensor, as compressed-tensors (`format: "nvfp4-pack-quantized"`:
-//! `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`, the weight `code · scale /
-//! global`) and NVIDIA's ModelOpt (`quant_algo: "NVFP4"`: `X.weight`, `X.weight_scale`,
-//! `X.weight_scale_2`, the weight `code · scale · scale_2`) save them.
+//! FP4 checkpoints: linear weights stored as FP4 E2M1 codes, two to a byte (a byte's low
+//! nibble the even column), with a scale for each group of a row. NVFP4: an FP8 E4M3 scale
+//! for each 16 columns and an f32 scale for the whole tensor, as compressed-tensors (`format:
+//! "nvfp4-pack-quantized"`: `X.weight_packed`, `X.weight_scale`, `X.weight_global_scale`, the
+//! weight `code · scale / global`) and NVIDIA's ModelOpt (`quant_algo: "NVFP4"`: `X.weight`,
+//! `X.weight_scale`, `X.weight_scale_2`, the weight `code · scale · scale_2`) save them.
+//! MXFP4: a power of two for each 32 columns, its E8M0 exponent a byte (`2^(e − 127)`), as
+//! compressed-tensors saves it (`"mxfp4-pack-quantized"`: `X.weight_packed`, `X.weight_scale`).
 //!
-//! bbc folds each group's two scales into one f32 (`scale / global` or `scale · scale_2`,
+//! bbc folds an NVFP4 group's two scales into one f32 (`scale / global` or `scale · scale_2`,
 //! rounded once), so a weight is its code's value times that, one product in f32: what
 //! compressed-tensors computes before rounding to the model's type, and within an f32 rounding
-//! of the exact product FP4 tensor cores take. Rows of whole blocks of 32 are held as
+//! of the exact product FP4 tensor cores take. An MXFP4 weight is exactly its code's value
+//! times its power of two. Rows of whole blocks of 32 are held as
 //! `quant::fp4_blocks` (6 bits a weight); others, and every weight when the model is read into
 //! a float type, are dequantized, each product rounded once to that type. The activations'
 //! scales W4A4 checkpoints carry (`input_global_scale`, `input_scale`) are not used: bbc's
@@ -20,14 +23,18 @@ use ir::F8E4M3;
 use quant::fp4_blocks;
 use rayon::prelude::*;
 
-/// The methods whose weights are NVFP4.
-pub const FP4_METHODS: &str = "compressed-tensors (nvfp4-pack-quantized) and modelopt (NVFP4)";
+/// The methods whose weights are FP4.
+pub const FP4_METHODS: &str = "compressed-tensors (nvfp4-pack-quantized, mxfp4-pack-quantized) and modelopt (NVFP4)";
 
-/// Whose layout an NVFP4 checkpoint has.
+/// Whose layout an FP4 checkpoint has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp4Layout {
+    /// compressed-tensors' NVFP4.
     CompressedTensors,
+    /// ModelOpt's NVFP4.
     ModelOpt,
+    /// compressed-tensors' MXFP4.
+    CompressedTensorsMx,
 }
 
 /// The names of a weight `X.weight`'s parts, after `X.`.
@@ -35,7 +42,8 @@ pub enum Fp4Layout {
 pub struct Fp4PartNames {
     pub codes: &'static str,
     pub scales: &'static str,
-    pub global: &'static str,
+    /// The tensor's f32 scale (NVFP4's).
+    pub global: Option<&'static str>,
     /// The activations' scale a W4A4 checkpoint carries beside the weight (not used).
     pub activations: &'static str,
 }
@@ -46,23 +54,44 @@ impl Fp4Layout {
             Self::CompressedTensors => Fp4PartNames {
                 codes: "weight_packed",
                 scales: "weight_scale",
-                global: "weight_global_scale",
+                global: Some("weight_global_scale"),
                 activations: "input_global_scale",
             },
             Self::ModelOpt => Fp4PartNames {
                 codes: "weight",
                 scales: "weight_scale",
-                global: "weight_scale_2",
+                global: Some("weight_scale_2"),
                 activations: "input_scale",
+            },
+            Self::CompressedTensorsMx => Fp4PartNames {
+                codes: "weight_packed",
+                scales: "weight_scale",
+                global: None,
+                activations: "input_global_scale",
             },
         }
     }
 
-    /// A group's scale: its FP8 scale with the tensor's global one, rounded once in f32.
-    pub fn group_scale(self, scale: f32, global: f32) -> f32 {
+    /// Columns under one scale.
+    pub fn group(self) -> usize {
         match self {
-            Self::CompressedTensors => scale / global,
-            Self::ModelOpt => scale * global,
+            Self::CompressedTensorsMx => 32,
+            _ => 16,
+        }
+    }
+
+    /// A group's f32 scale from its stored byte (an FP8 E4M3 code, or an E8M0 exponent) and
+    /// the tensor's global scale (1 where there is none), rounded once.
+    pub fn group_scale(self, scale: u8, global: f32) -> f32 {
+        match self {
+            Self::CompressedTensors => F8E4M3(scale).to_f32() / global,
+            Self::ModelOpt => F8E4M3(scale).to_f32() * global,
+            // E8M0: 2^(e − 127) exactly (e = 0 a subnormal), 255 its NaN.
+            Self::CompressedTensorsMx => match scale {
+                255 => f32::NAN,
+                0 => f32::from_bits(1 << 22),
+                e => f32::from_bits(u32::from(e) << 23),
+            },
         }
     }
 }
@@ -73,7 +102,10 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<Fp4La
     let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
     match method {
         "compressed-tensors" if text(quant.get("format")).as_deref() == Some("nvfp4-pack-quantized") => {
-            Some(compressed_tensors_groups(quant).map(|()| Fp4Layout::CompressedTensors))
+            Some(compressed_tensors_groups(quant, 16).map(|()| Fp4Layout::CompressedTensors))
+        }
+        "compressed-tensors" if text(quant.get("format")).as_deref() == Some("mxfp4-pack-quantized") => {
+            Some(compressed_tensors_groups(quant, 32).map(|()| Fp4Layout::CompressedTensorsMx))
         }
         "modelopt" if text(quant.get("quant_algo")).as_deref() == Some("nvfp4") => {
             Some(match quant.get("group_size").and_then(|g| g.as_u64()) {
@@ -87,9 +119,9 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<Fp4La
     }
 }
 
-/// compressed-tensors' NVFP4 weights must be 4-bit floats in groups of 16 in every group of
-/// its config, without zero points.
-fn compressed_tensors_groups(quant: &serde_json::Value) -> Result<(), String> {
+/// compressed-tensors' FP4 weights must be 4-bit floats in groups of `size` (16 for NVFP4, 32
+/// for MXFP4) in every group of its config, without zero points.
+fn compressed_tensors_groups(quant: &serde_json::Value, size: u64) -> Result<(), String> {
     let groups = quant.get("config_groups").and_then(|g| g.as_object());
     let mut any = false;
     for (name, group) in groups.into_iter().flatten() {
@@ -99,27 +131,27 @@ fn compressed_tensors_groups(quant: &serde_json::Value) -> Result<(), String> {
         let kind = weights.get("type").and_then(|t| t.as_str());
         let bits = weights.get("num_bits").and_then(|b| b.as_u64());
         let group_size = weights.get("group_size").and_then(|g| g.as_u64());
-        if kind != Some("float") || bits != Some(4) || group_size != Some(16) {
+        if kind != Some("float") || bits != Some(4) || group_size != Some(size) {
             return Err(format!(
-                "group `{name}` of an NVFP4 checkpoint holds {} bits of type {kind:?} in groups of {}, not 4-bit \
-                 floats in groups of 16",
+                "group `{name}` of an FP4 checkpoint holds {} bits of type {kind:?} in groups of {}, not 4-bit \
+                 floats in groups of {size}",
                 bits.map_or("?".into(), |b| b.to_string()),
                 group_size.map_or("?".into(), |g| g.to_string()),
             ));
         }
         if weights.get("symmetric").and_then(|s| s.as_bool()) == Some(false) {
-            return Err(format!("group `{name}`: NVFP4 weights with zero points are not read"));
+            return Err(format!("group `{name}`: FP4 weights with zero points are not read"));
         }
         any = true;
     }
     match any {
         true => Ok(()),
-        false => Err("an NVFP4 checkpoint with no group of weights".into()),
+        false => Err("an FP4 checkpoint with no group of weights".into()),
     }
 }
 
-/// One NVFP4 weight: `rows × cols` (outputs × inputs), its codes `[rows, cols / 2]` bytes, its
-/// scales `[rows, cols / 16]` FP8 codes, its global scale one f32.
+/// One FP4 weight: `rows × cols` (outputs × inputs), its codes `[rows, cols / 2]` bytes, its
+/// scales `[rows, cols / group]` bytes, its global scale (NVFP4's) one f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fp4Weight {
     pub layout: Fp4Layout,
@@ -128,22 +160,23 @@ pub struct Fp4Weight {
 }
 
 impl Fp4Weight {
-    /// The weight the parts' shapes (as the file declares them) give, or why they give none.
-    pub fn of(layout: Fp4Layout, codes: &[usize], scales: &[usize], global: &[usize]) -> Result<Self, String> {
+    /// The weight the parts' shapes (as the file declares them; `global` where the layout has
+    /// one) give, or why they give none.
+    pub fn of(layout: Fp4Layout, codes: &[usize], scales: &[usize], global: Option<&[usize]>) -> Result<Self, String> {
         let &[rows, half_cols] = codes else {
             return Err(format!("its codes have shape {codes:?}, not a matrix's"));
         };
-        let cols = half_cols * 2;
-        if rows == 0 || !cols.is_multiple_of(16) || cols == 0 {
-            return Err(format!("its codes' rows of {cols} are not whole groups of 16"));
+        let (cols, group) = (half_cols * 2, layout.group());
+        if rows == 0 || !cols.is_multiple_of(group) || cols == 0 {
+            return Err(format!("its codes' rows of {cols} are not whole groups of {group}"));
         }
-        if scales != [rows, cols / 16] {
+        if scales != [rows, cols / group] {
             return Err(format!(
-                "its scales have shape {scales:?}, not [{rows}, {}] (one for each 16 of {cols} columns)",
-                cols / 16
+                "its scales have shape {scales:?}, not [{rows}, {}] (one for each {group} of {cols} columns)",
+                cols / group
             ));
         }
-        if global.iter().product::<usize>() != 1 {
+        if let Some(global) = global.filter(|g| g.iter().product::<usize>() != 1) {
             return Err(format!("its global scale has shape {global:?}, not one value"));
         }
         Ok(Self { layout, rows, cols })
@@ -162,9 +195,11 @@ impl Fp4Weight {
             pair[0] = byte & 15;
             pair[1] = byte >> 4;
         }
-        let groups = &scales[r * self.cols / 16..(r + 1) * self.cols / 16];
-        for (s, &code) in row_scales.iter_mut().zip(groups) {
-            *s = self.layout.group_scale(F8E4M3(code).to_f32(), global);
+        // Each 16 columns' scale (an MXFP4 group's twice).
+        let group = self.layout.group();
+        let groups = &scales[r * self.cols / group..(r + 1) * self.cols / group];
+        for (s, c) in row_scales.iter_mut().zip((0..self.cols).step_by(16)) {
+            *s = self.layout.group_scale(groups[c / group], global);
         }
     }
 
@@ -173,8 +208,8 @@ impl Fp4Weight {
         (vec![0; self.cols], vec![0.0; self.cols / 16])
     }
 
-    /// The weight as FP4 blocks (`quant::fp4_blocks`), the rows on the pool. The rows must be
-    /// [whole blocks](Self::fits_blocks).
+    /// The weight as FP4 blocks (`quant::fp4_blocks`), the rows on the pool (`global` 1 where
+    /// the layout has none). The rows must be [whole blocks](Self::fits_blocks).
     pub fn blocks(&self, codes: &[u8], scales: &[u8], global: f32) -> Vec<u8> {
         assert!(self.fits_blocks(), "{self:?} is not whole blocks of 32");
         let row_bytes = self.cols / fp4_blocks::BLOCK_ELEMS * fp4_blocks::BLOCK_BYTES;
@@ -195,7 +230,7 @@ impl Fp4Weight {
     }
 
     /// The weight's bytes as `dtype` (f32, bf16 or f16): each code's value times its group's
-    /// scale in f32, the product rounded to `dtype`.
+    /// scale in f32, the product rounded to `dtype` (`global` as for [`Self::blocks`]).
     pub fn dequantize(&self, codes: &[u8], scales: &[u8], global: f32, dtype: GgmlType) -> Vec<u8> {
         let size = match dtype {
             GgmlType::F32 => 4,
@@ -241,34 +276,47 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Whatever the codes, scales and global scale, every element read back is its code's
-        /// value times its group's FP8 scale over (compressed-tensors) or times (ModelOpt) the
-        /// global one, the two scales folded first; the FP4 blocks hold the same products bit
-        /// for bit; bf16 is each product rounded once.
+        /// value times its group's scale: NVFP4's FP8 scale over (compressed-tensors) or times
+        /// (ModelOpt) the global one, folded first; MXFP4's power of two. The FP4 blocks hold
+        /// the same products bit for bit; bf16 is each product rounded once.
         #[test]
         fn every_element_is_its_codes_value_times_its_groups_scale(
-            modelopt in any::<bool>(),
+            which in 0usize..3,
             rows in 1usize..5,
             col_groups in 1usize..7,
             global_bits in 0x3000_0000u32..0x4800_0000,
             seed in any::<u64>(),
         ) {
-            let layout = if modelopt { Fp4Layout::ModelOpt } else { Fp4Layout::CompressedTensors };
-            let cols = col_groups * 16;
+            let layout = [Fp4Layout::CompressedTensors, Fp4Layout::ModelOpt, Fp4Layout::CompressedTensorsMx][which];
+            let group = layout.group();
+            let cols = col_groups * group;
             let mut state = seed | 1;
             let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
             let codes: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
-            // Finite, non-negative FP8 scales (NVFP4's are).
-            let scales: Vec<u8> = (0..rows * cols / 16).map(|_| (next() % 0x7f) as u8).collect();
-            let global = f32::from_bits(global_bits);
-            let weight = Fp4Weight::of(layout, &[rows, cols / 2], &[rows, cols / 16], &[1]).unwrap();
-            prop_assert_eq!(weight.fits_blocks(), cols % 32 == 0);
+            // Finite, non-negative FP8 scales (NVFP4's are), or exponents of 2^-27 to 2^22.
+            let scales: Vec<u8> = (0..rows * cols / group)
+                .map(|_| match layout {
+                    Fp4Layout::CompressedTensorsMx => (100 + next() % 50) as u8,
+                    _ => (next() % 0x7f) as u8,
+                })
+                .collect();
+            let global = match layout {
+                Fp4Layout::CompressedTensorsMx => 1.0,
+                _ => f32::from_bits(global_bits),
+            };
+            let weight = Fp4Weight::of(layout, &[rows, cols / 2], &[rows, cols / group], Some(&[1])).unwrap();
+            prop_assert_eq!(weight.fits_blocks(), cols.is_multiple_of(32));
             let values = f32s(&weight.dequantize(&codes, &scales, global, GgmlType::F32));
             for r in 0..rows {
                 for c in 0..cols {
                     let byte = codes[(r * cols + c) / 2];
                     let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
-                    let scale = F8E4M3(scales[(r * cols + c) / 16]).to_f32();
-                    let folded = if modelopt { scale * global } else { scale / global };
+                    let stored = scales[(r * cols + c) / group];
+                    let folded = match layout {
+                        Fp4Layout::CompressedTensors => F8E4M3(stored).to_f32() / global,
+                        Fp4Layout::ModelOpt => F8E4M3(stored).to_f32() * global,
+                        Fp4Layout::CompressedTensorsMx => 2f32.powi(i32::from(stored) - 127),
+                    };
                     let want = fp4_blocks::CODE_VALUES[code as usize] * folded;
                     prop_assert_eq!(values[r * cols + c].to_bits(), want.to_bits(), "({}, {})", r, c);
                 }
@@ -287,18 +335,26 @@ mod tests {
 
     #[test]
     fn parts_of_other_shapes_are_refused() {
-        let ct = Fp4Layout::CompressedTensors;
-        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], &[1]).is_ok());
-        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], &[]).is_ok());
-        for (codes, scales, global, said) in [
-            (&[2, 8, 16][..], &[8, 2][..], &[1][..], "not a matrix"),
-            (&[8, 12], &[8, 1], &[1], "whole groups of 16"),
-            (&[8, 16], &[8, 4], &[1], "one for each 16"),
-            (&[8, 16], &[8, 2], &[2], "not one value"),
+        let (ct, mx) = (Fp4Layout::CompressedTensors, Fp4Layout::CompressedTensorsMx);
+        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], Some(&[1])).is_ok());
+        assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], Some(&[])).is_ok());
+        assert!(Fp4Weight::of(mx, &[8, 16], &[8, 1], None).is_ok());
+        for (layout, codes, scales, global, said) in [
+            (ct, &[2, 8, 16][..], &[8, 2][..], Some(&[1][..]), "not a matrix"),
+            (ct, &[8, 12], &[8, 1], Some(&[1]), "whole groups of 16"),
+            (ct, &[8, 16], &[8, 4], Some(&[1]), "one for each 16"),
+            (ct, &[8, 16], &[8, 2], Some(&[2]), "not one value"),
+            (mx, &[8, 8], &[8, 1], None, "whole groups of 32"),
+            (mx, &[8, 16], &[8, 2], None, "one for each 32"),
         ] {
-            let err = Fp4Weight::of(ct, codes, scales, global).unwrap_err();
+            let err = Fp4Weight::of(layout, codes, scales, global).unwrap_err();
             assert!(err.contains(said), "{err}");
         }
+        // E8M0 exponents: powers of two, 0 the least, 255 not a number.
+        assert_eq!(mx.group_scale(127, 1.0), 1.0);
+        assert_eq!(mx.group_scale(130, 1.0), 8.0);
+        assert_eq!(mx.group_scale(0, 1.0), 2f32.powi(-127));
+        assert!(mx.group_scale(255, 1.0).is_nan());
     }
 
     #[test]
@@ -314,6 +370,12 @@ mod tests {
             &ct(json!({"num_bits": 4, "type": "float", "group_size": 32})),
         );
         assert!(err.unwrap().unwrap_err().contains("not 4-bit floats in groups of 16"));
+        let mx = json!({"format": "mxfp4-pack-quantized", "config_groups": {"group_0": {"weights":
+            {"num_bits": 4, "type": "float", "group_size": 32, "symmetric": true}}}});
+        assert_eq!(
+            scheme_of("compressed-tensors", &mx),
+            Some(Ok(Fp4Layout::CompressedTensorsMx))
+        );
         let err = scheme_of(
             "compressed-tensors",
             &ct(json!({"num_bits": 4, "type": "float", "group_size": 16, "symmetric": false})),

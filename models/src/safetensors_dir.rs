@@ -75,7 +75,7 @@ enum MadeFrom {
         zeros: Option<RawEntry>,
         scales: SafetensorsEntry,
     },
-    /// NVFP4 codes through their groups' scales and the global one (`fp4_checkpoint`).
+    /// FP4 codes through their groups' scales (and NVFP4's global one; `fp4_checkpoint`).
     Fp4 {
         weight: Fp4Weight,
         codes: RawEntry,
@@ -169,7 +169,7 @@ impl SafetensorsDir {
             None if fits_blocks_of_32 => GgmlType::F8E4M3B32,
             None => checkpoint_dtype,
         };
-        // NVFP4 weights first: their scales are FP8 tensors, their codes bytes.
+        // FP4 weights first: their codes are bytes, NVFP4's scales FP8 tensors.
         if let Some(layout) = fp4 {
             this.pair_fp4(&mut ints, &mut fp8_codes, layout, |weight| {
                 match read_as(weight.fits_blocks()) {
@@ -223,10 +223,10 @@ impl SafetensorsDir {
         Ok(())
     }
 
-    /// Each NVFP4 weight `X.weight` with its parts beside it (`fp4_checkpoint`: its codes,
-    /// taken from `ints`, its groups' FP8 scales, taken from `fp8`, and its global scale), and
-    /// the activations' scale a W4A4 checkpoint has beside it (not used), taken out of the
-    /// listing.
+    /// Each FP4 weight `X.weight` with its parts beside it (`fp4_checkpoint`: its codes, taken
+    /// from `ints`, its groups' scales, taken from `fp8` (NVFP4's E4M3) or `ints` (MXFP4's
+    /// E8M0), and NVFP4's global scale), and the activations' scale a W4A4 checkpoint has
+    /// beside it (not used), taken out of the listing.
     fn pair_fp4(
         &mut self,
         ints: &mut BTreeMap<String, RawEntry>,
@@ -244,23 +244,32 @@ impl SafetensorsDir {
             let path = self.shard_path(codes.shard).to_path_buf();
             let bad = |what: String| ModelError::Safetensors {
                 path: path.clone(),
-                what: format!("NVFP4 weight `{prefix}weight`: {what}"),
+                what: format!("FP4 weight `{prefix}weight`: {what}"),
             };
             if codes.element_bytes != 1 {
                 return Err(bad(format!("its `{codes_name}` is not bytes (two codes each)")));
             }
-            let scales = fp8
-                .remove(&part(names.scales))
-                .ok_or_else(|| bad(format!("it has no FP8 `{}` beside it", part(names.scales))))?;
-            let global = self
-                .tensors
-                .remove(&part(names.global))
-                .filter(|g| g.dtype == GgmlType::F32)
-                .ok_or_else(|| bad(format!("it has no f32 `{}` beside it", part(names.global))))?;
+            let (scales, kind) = match names.global {
+                Some(_) => (fp8.remove(&part(names.scales)), "FP8"),
+                None => (ints.remove(&part(names.scales)), "E8M0 (U8)"),
+            };
+            let scales = scales.ok_or_else(|| bad(format!("it has no {kind} `{}` beside it", part(names.scales))))?;
+            if scales.element_bytes != 1 {
+                return Err(bad(format!("its `{}` is not bytes", part(names.scales))));
+            }
+            let global = match names.global {
+                Some(name) => Some(
+                    self.tensors
+                        .remove(&part(name))
+                        .filter(|g| g.dtype == GgmlType::F32)
+                        .ok_or_else(|| bad(format!("it has no f32 `{}` beside it", part(name))))?,
+                ),
+                None => None,
+            };
             self.tensors.remove(&part(names.activations));
-            let weight =
-                Fp4Weight::of(layout, &codes.stored_shape, &scales.stored_shape, &global.stored_shape).map_err(bad)?;
-            let global = self.floats(&global)[0];
+            let global_shape = global.as_ref().map(|g| &g.stored_shape[..]);
+            let weight = Fp4Weight::of(layout, &codes.stored_shape, &scales.stored_shape, global_shape).map_err(bad)?;
+            let global = global.map_or(1.0, |g| self.floats(&g)[0]);
             if !global.is_finite() || global == 0.0 {
                 return Err(bad(format!("its global scale is {global}")));
             }
