@@ -37,7 +37,8 @@ pub const GPU_FAMILIES: [&str; 9] = [
 
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
 /// and bf16, the MoE ones also in half, the tiny Llama and Gemma 3 also with half KV caches,
-/// FP8 checkpoints held as FP8, tiny Llama GGUF files with GGUF-block and f16 weights); print
+/// FP8, GPTQ and FP4 checkpoints held as stored, tiny Llama GGUF files with GGUF-block and f16
+/// weights); print
 /// each kernel's max relative error; the worst.
 pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64> {
     let mut worst = 0f64;
@@ -117,8 +118,17 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
         spec.dtype = ComputeDtype::F16;
         worst = worst.max(lockstep(&format!("{family} F16"), &Model::open(spec)?, target, arch)?);
     }
-    // FP8 checkpoints held as FP8 blocks (their codes widened on the device, dense and experts).
-    for family in ["llama_fp8", "glm4_moe_fp8"] {
+    // Quantized checkpoints held as stored, their blocks decoded on the device: FP8 (dense and
+    // experts), GPTQ in 4-bit blocks of 128 and 32, NVFP4 (dense, and experts with a
+    // dequantized shared-expert projection) and MXFP4 in FP4 blocks.
+    for family in [
+        "llama_fp8",
+        "glm4_moe_fp8",
+        "llama_gptq_g128",
+        "llama_nvfp4",
+        "qwen3_next_nvfp4",
+        "llama_mxfp4",
+    ] {
         let mut spec = ModelSpec::for_weights(&fixtures.join(family));
         spec.dtype = ComputeDtype::Native;
         worst = worst.max(lockstep(
