@@ -152,12 +152,12 @@ mod tests {
             Some(Packing::CompressedTensors)
         );
         let modelopt = of(json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}));
-        assert_eq!(modelopt.unwrap().unwrap().fp4, Some(Fp4Layout::ModelOpt));
+        assert_eq!(modelopt.unwrap().unwrap().fp4, Some(Fp4Layout::ModelOptNvfp4));
         let nvfp4 = of(
             json!({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
             "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16}}}}),
         );
-        assert_eq!(nvfp4.unwrap().unwrap().fp4, Some(Fp4Layout::CompressedTensors));
+        assert_eq!(nvfp4.unwrap().unwrap().fp4, Some(Fp4Layout::CompressedTensorsNvfp4));
         for (q, named) in [
             (json!({"quant_method": "gptq", "bits": 3}), "3-bit"),
             (

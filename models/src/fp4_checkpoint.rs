@@ -30,11 +30,11 @@ pub const FP4_METHODS: &str = "compressed-tensors (nvfp4-pack-quantized, mxfp4-p
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp4Layout {
     /// compressed-tensors' NVFP4.
-    CompressedTensors,
+    CompressedTensorsNvfp4,
     /// ModelOpt's NVFP4.
-    ModelOpt,
+    ModelOptNvfp4,
     /// compressed-tensors' MXFP4.
-    CompressedTensorsMx,
+    CompressedTensorsMxfp4,
 }
 
 /// The names of a weight `X.weight`'s parts, after `X.`.
@@ -51,19 +51,19 @@ pub struct Fp4PartNames {
 impl Fp4Layout {
     pub fn part_names(self) -> Fp4PartNames {
         match self {
-            Self::CompressedTensors => Fp4PartNames {
+            Self::CompressedTensorsNvfp4 => Fp4PartNames {
                 codes: "weight_packed",
                 scales: "weight_scale",
                 global: Some("weight_global_scale"),
                 activations: "input_global_scale",
             },
-            Self::ModelOpt => Fp4PartNames {
+            Self::ModelOptNvfp4 => Fp4PartNames {
                 codes: "weight",
                 scales: "weight_scale",
                 global: Some("weight_scale_2"),
                 activations: "input_scale",
             },
-            Self::CompressedTensorsMx => Fp4PartNames {
+            Self::CompressedTensorsMxfp4 => Fp4PartNames {
                 codes: "weight_packed",
                 scales: "weight_scale",
                 global: None,
@@ -75,7 +75,7 @@ impl Fp4Layout {
     /// Columns under one scale.
     pub fn group(self) -> usize {
         match self {
-            Self::CompressedTensorsMx => 32,
+            Self::CompressedTensorsMxfp4 => 32,
             _ => 16,
         }
     }
@@ -84,10 +84,10 @@ impl Fp4Layout {
     /// the tensor's global scale (1 where there is none), rounded once.
     pub fn group_scale(self, scale: u8, global: f32) -> f32 {
         match self {
-            Self::CompressedTensors => F8E4M3(scale).to_f32() / global,
-            Self::ModelOpt => F8E4M3(scale).to_f32() * global,
+            Self::CompressedTensorsNvfp4 => F8E4M3(scale).to_f32() / global,
+            Self::ModelOptNvfp4 => F8E4M3(scale).to_f32() * global,
             // E8M0: 2^(e − 127) exactly (e = 0 a subnormal), 255 its NaN.
-            Self::CompressedTensorsMx => match scale {
+            Self::CompressedTensorsMxfp4 => match scale {
                 255 => f32::NAN,
                 0 => f32::from_bits(1 << 22),
                 e => f32::from_bits(u32::from(e) << 23),
@@ -102,14 +102,14 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<Fp4La
     let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
     match method {
         "compressed-tensors" if text(quant.get("format")).as_deref() == Some("nvfp4-pack-quantized") => {
-            Some(compressed_tensors_groups(quant, 16).map(|()| Fp4Layout::CompressedTensors))
+            Some(compressed_tensors_groups(quant, 16).map(|()| Fp4Layout::CompressedTensorsNvfp4))
         }
         "compressed-tensors" if text(quant.get("format")).as_deref() == Some("mxfp4-pack-quantized") => {
-            Some(compressed_tensors_groups(quant, 32).map(|()| Fp4Layout::CompressedTensorsMx))
+            Some(compressed_tensors_groups(quant, 32).map(|()| Fp4Layout::CompressedTensorsMxfp4))
         }
         "modelopt" if text(quant.get("quant_algo")).as_deref() == Some("nvfp4") => {
             Some(match quant.get("group_size").and_then(|g| g.as_u64()) {
-                None | Some(16) => Ok(Fp4Layout::ModelOpt),
+                None | Some(16) => Ok(Fp4Layout::ModelOptNvfp4),
                 Some(g) => Err(format!(
                     "ModelOpt NVFP4 in groups of {g} is not read (groups of 16 are)"
                 )),
@@ -287,7 +287,7 @@ mod tests {
             global_bits in 0x3000_0000u32..0x4800_0000,
             seed in any::<u64>(),
         ) {
-            let layout = [Fp4Layout::CompressedTensors, Fp4Layout::ModelOpt, Fp4Layout::CompressedTensorsMx][which];
+            let layout = [Fp4Layout::CompressedTensorsNvfp4, Fp4Layout::ModelOptNvfp4, Fp4Layout::CompressedTensorsMxfp4][which];
             let group = layout.group();
             let cols = col_groups * group;
             let mut state = seed | 1;
@@ -296,12 +296,12 @@ mod tests {
             // Finite, non-negative FP8 scales (NVFP4's are), or exponents of 2^-27 to 2^22.
             let scales: Vec<u8> = (0..rows * cols / group)
                 .map(|_| match layout {
-                    Fp4Layout::CompressedTensorsMx => (100 + next() % 50) as u8,
+                    Fp4Layout::CompressedTensorsMxfp4 => (100 + next() % 50) as u8,
                     _ => (next() % 0x7f) as u8,
                 })
                 .collect();
             let global = match layout {
-                Fp4Layout::CompressedTensorsMx => 1.0,
+                Fp4Layout::CompressedTensorsMxfp4 => 1.0,
                 _ => f32::from_bits(global_bits),
             };
             let weight = Fp4Weight::of(layout, &[rows, cols / 2], &[rows, cols / group], Some(&[1])).unwrap();
@@ -313,9 +313,9 @@ mod tests {
                     let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
                     let stored = scales[(r * cols + c) / group];
                     let folded = match layout {
-                        Fp4Layout::CompressedTensors => F8E4M3(stored).to_f32() / global,
-                        Fp4Layout::ModelOpt => F8E4M3(stored).to_f32() * global,
-                        Fp4Layout::CompressedTensorsMx => 2f32.powi(i32::from(stored) - 127),
+                        Fp4Layout::CompressedTensorsNvfp4 => F8E4M3(stored).to_f32() / global,
+                        Fp4Layout::ModelOptNvfp4 => F8E4M3(stored).to_f32() * global,
+                        Fp4Layout::CompressedTensorsMxfp4 => 2f32.powi(i32::from(stored) - 127),
                     };
                     let want = fp4_blocks::CODE_VALUES[code as usize] * folded;
                     prop_assert_eq!(values[r * cols + c].to_bits(), want.to_bits(), "({}, {})", r, c);
@@ -335,7 +335,7 @@ mod tests {
 
     #[test]
     fn parts_of_other_shapes_are_refused() {
-        let (ct, mx) = (Fp4Layout::CompressedTensors, Fp4Layout::CompressedTensorsMx);
+        let (ct, mx) = (Fp4Layout::CompressedTensorsNvfp4, Fp4Layout::CompressedTensorsMxfp4);
         assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], Some(&[1])).is_ok());
         assert!(Fp4Weight::of(ct, &[8, 16], &[8, 2], Some(&[])).is_ok());
         assert!(Fp4Weight::of(mx, &[8, 16], &[8, 1], None).is_ok());
@@ -363,7 +363,7 @@ mod tests {
         let nvfp4 = json!({"num_bits": 4, "type": "float", "group_size": 16, "symmetric": true});
         assert_eq!(
             scheme_of("compressed-tensors", &ct(nvfp4)),
-            Some(Ok(Fp4Layout::CompressedTensors))
+            Some(Ok(Fp4Layout::CompressedTensorsNvfp4))
         );
         let err = scheme_of(
             "compressed-tensors",
@@ -374,7 +374,7 @@ mod tests {
             {"num_bits": 4, "type": "float", "group_size": 32, "symmetric": true}}}});
         assert_eq!(
             scheme_of("compressed-tensors", &mx),
-            Some(Ok(Fp4Layout::CompressedTensorsMx))
+            Some(Ok(Fp4Layout::CompressedTensorsMxfp4))
         );
         let err = scheme_of(
             "compressed-tensors",
@@ -387,7 +387,7 @@ mod tests {
         );
         assert_eq!(
             scheme_of("modelopt", &json!({"quant_algo": "NVFP4", "group_size": 16})),
-            Some(Ok(Fp4Layout::ModelOpt))
+            Some(Ok(Fp4Layout::ModelOptNvfp4))
         );
         let err = scheme_of("modelopt", &json!({"quant_algo": "NVFP4", "group_size": 32}));
         assert!(err.unwrap().unwrap_err().contains("groups of 32"));
