@@ -954,15 +954,7 @@ fn dummy_weights_take_the_integer_methods_as_4_bit_blocks() {
     wide["head_dim"] = 32.into();
     std::fs::write(&config, wide.to_string()).unwrap();
     let config = config.to_str().unwrap();
-    let load = |quantization: Option<&str>| {
-        let options = bbc::model_ref::LoadOptions {
-            quantization: quantization.map(str::to_string),
-            quiet: true,
-            fuse: false,
-            ..Default::default()
-        };
-        bbc::model_ref::load(config, options).unwrap()
-    };
+    let load = |quantization: Option<&str>| load_quantized(config, quantization);
     let plain = load(None);
     for method in ["awq", "gptq_marlin", "compressed-tensors"] {
         let quantized = load(Some(method));
@@ -1005,15 +997,7 @@ fn dummy_weights_take_modelopt_fp4_as_fp4_blocks() {
     let config = scratch.path().join("config.json");
     std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
     let config = config.to_str().unwrap();
-    let load = |quantization: Option<&str>| {
-        let options = bbc::model_ref::LoadOptions {
-            quantization: quantization.map(str::to_string),
-            quiet: true,
-            fuse: false,
-            ..Default::default()
-        };
-        bbc::model_ref::load(config, options).unwrap()
-    };
+    let load = |quantization: Option<&str>| load_quantized(config, quantization);
     let (plain, quantized) = (load(None), load(Some("modelopt_fp4")));
     let mut blocks = 0;
     for name in plain.model.weights.names() {
@@ -1030,6 +1014,17 @@ fn dummy_weights_take_modelopt_fp4_as_fp4_blocks() {
     }
     assert_eq!(blocks, 21, "7 projections a layer");
     quantized_artifact_runs_as_loaded(scratch.path(), config, "modelopt_fp4", &["f4_e2m1_b32"]);
+}
+
+/// The model `config` names (random weights), quantized as `quantization` asks, unfused.
+fn load_quantized(config: &str, quantization: Option<&str>) -> bbc::model_ref::Loaded {
+    let options = bbc::model_ref::LoadOptions {
+        quantization: quantization.map(str::to_string),
+        quiet: true,
+        fuse: false,
+        ..Default::default()
+    };
+    bbc::model_ref::load(config, options).unwrap()
 }
 
 /// `config` compiled for the CPU with `-q method` into `dir/artifact`: its manifest records
