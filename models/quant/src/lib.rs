@@ -135,6 +135,7 @@ impl GgmlType {
             34 => "TQ1_0",
             35 => "TQ2_0",
             39 => "MXFP4",
+            40 => "NVFP4",
             _ => return None,
         })
     }
@@ -399,6 +400,9 @@ mod tests {
         }
         let read = (0..64).filter(|&id| GgmlType::from_id(id).is_some()).count();
         assert_eq!(read, GgmlType::ALL.len());
+        // ggml's FP4 types are refused by name (bbc reads FP4 from HF checkpoints).
+        assert_eq!(GgmlType::other_name(39), Some("MXFP4"));
+        assert_eq!(GgmlType::other_name(40), Some("NVFP4"));
     }
 
     #[test]
