@@ -25,6 +25,9 @@ pub enum DType {
     Q3K,
     IQ4NL,
     IQ4XS,
+    /// OCP MXFP4, as GGUF stores it: FP4 E2M1 codes in blocks of 32 under a power-of-two
+    /// scale (`quant::mxfp4`).
+    MXFP4,
     /// FP8 E4M3 weights in blocks of 32 with an f32 scale each: an FP8 checkpoint's
     /// (`quant::fp8_blocks`), each weight its code times its block's scale.
     F8E4M3B32,
@@ -58,6 +61,7 @@ impl DType {
             Self::Q3K => "q3_k",
             Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
+            Self::MXFP4 => "mxfp4",
             Self::F8E4M3B32 => "f8_e4m3_b32",
             Self::U4B32 => "u4_b32",
             Self::U4B128 => "u4_b128",
@@ -84,6 +88,7 @@ impl DType {
             Self::Q3K,
             Self::IQ4NL,
             Self::IQ4XS,
+            Self::MXFP4,
             Self::F8E4M3B32,
             Self::U4B32,
             Self::U4B128,

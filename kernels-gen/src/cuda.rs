@@ -83,27 +83,27 @@ static __device__ __forceinline__ unsigned int bbc_ordered_bits(float f) {
 }
 "#;
 
-/// `bbc_iq4_value`: the IQ4 table ([`IQ4_VALUES`]) + 128 four bytes a word, a word picked by
-/// two selects, its byte shifted out (no table in memory, no divergent loads).
-fn iq4_helper() -> String {
-    let words: Vec<String> = IQ4_VALUES
-        .chunks(4)
-        .map(|v| {
-            let word = v.iter().rev().fold(0u32, |w, &x| (w << 8) | (x as i32 + 128) as u32);
-            format!("0x{word:08x}u")
-        })
-        .collect();
+/// A 4-bit table's values + 128, four bytes a word (value `4w + b` in byte `b` of word `w`).
+fn table_words(values: &[i8; 16]) -> [u32; 4] {
+    std::array::from_fn(|w| {
+        values[4 * w..4 * w + 4]
+            .iter()
+            .rev()
+            .fold(0u32, |word, &x| (word << 8) | (x as i32 + 128) as u32)
+    })
+}
+
+/// `bbc_{name}`: a 4-bit table ([`table_words`]) at an index, a word picked by two selects,
+/// its byte shifted out (no table in memory, no divergent loads).
+fn table_helper(name: &str, what: &str, values: &[i8; 16]) -> String {
+    let [w0, w1, w2, w3] = table_words(values);
     format!(
-        "// The IQ4 formats' table (ggml's kvalues_iq4nl) at a 4-bit index: its values + 128, four to a word.
-static __device__ __forceinline__ int bbc_iq4_value(unsigned int i) {{
-    const unsigned int low = (i & 4) ? {w1} : {w0}, high = (i & 4) ? {w3} : {w2};
+        "// {what} at a 4-bit index: its values + 128, four to a word.
+static __device__ __forceinline__ int bbc_{name}(unsigned int i) {{
+    const unsigned int low = (i & 4) ? 0x{w1:08x}u : 0x{w0:08x}u, high = (i & 4) ? 0x{w3:08x}u : 0x{w2:08x}u;
     return (int)((((i & 8) ? high : low) >> ((i & 3) * 8)) & 0xffu) - 128;
 }}
-",
-        w0 = words[0],
-        w1 = words[1],
-        w2 = words[2],
-        w3 = words[3]
+"
     )
 }
 
@@ -234,7 +234,12 @@ pub fn emit(kernel: &Kernel) -> String {
         let _ = writeln!(out, "{ORDERED_BITS_HELPER}");
     }
     if uses_op(&kernel.body, UnOp::Iq4Value) {
-        let _ = writeln!(out, "{}", iq4_helper());
+        let what = "The IQ4 formats' table (ggml's kvalues_iq4nl)";
+        let _ = writeln!(out, "{}", table_helper("iq4_value", what, &IQ4_VALUES));
+    }
+    if uses_op(&kernel.body, UnOp::Mxfp4Value) {
+        let what = "MXFP4's doubled E2M1 values (ggml's kvalues_mxfp4)";
+        let _ = writeln!(out, "{}", table_helper("mxfp4_value", what, &MXFP4_VALUES));
     }
     let copies_async = any_stmt(&kernel.body, &|s| matches!(s, Stmt::CpAsync(_)));
     if copies_async {
@@ -1068,6 +1073,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::HalfToFloat => format!("bbc_f16_to_f32((unsigned int)({x}))"),
                 UnOp::OrderedBits => format!("bbc_ordered_bits({x})"),
                 UnOp::Iq4Value => format!("bbc_iq4_value((unsigned int)({x}))"),
+                UnOp::Mxfp4Value => format!("bbc_mxfp4_value((unsigned int)({x}))"),
                 UnOp::Fp8ToFloat => format!("bbc_fp8_to_f32((unsigned int)({x}))"),
                 UnOp::BitsToFloat => format!("__uint_as_float((unsigned int)({x}))"),
                 UnOp::Abs if scope.type_of(a) == Ok(Ty::F32) => format!("fabsf({x})"),
@@ -1083,6 +1089,25 @@ fn expr(e: &Expr, scope: &Scope) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 4-bit table helpers' words give back every value: `bbc_*_value`'s selects and
+    /// shift, restated, at every index of both tables.
+    #[test]
+    fn table_helpers_hold_their_tables() {
+        for values in [IQ4_VALUES, MXFP4_VALUES] {
+            let [w0, w1, w2, w3] = table_words(&values);
+            for i in 0..16u32 {
+                let (low, high) = if i & 4 != 0 { (w1, w3) } else { (w0, w2) };
+                let word = if i & 8 != 0 { high } else { low };
+                assert_eq!(
+                    ((word >> ((i & 3) * 8)) & 0xff) as i32 - 128,
+                    i32::from(values[i as usize])
+                );
+            }
+        }
+        let helper = table_helper("mxfp4_value", "MXFP4", &MXFP4_VALUES);
+        assert!(helper.contains("int bbc_mxfp4_value(unsigned int i)"), "{helper}");
+    }
 
     /// The runtime launches a kernel before the one it follows has finished only where it
     /// waits for it: every kernel does, before any statement of its own.

@@ -97,6 +97,9 @@ pub enum UnOp {
     /// The value a 4-bit index (an integer, 0..16) stands for in the IQ4 formats' table,
     /// [`IQ4_VALUES`]: IQ4_NL/IQ4_XS weights.
     Iq4Value,
+    /// The value a 4-bit MXFP4 code (an integer, 0..16) stands for doubled, [`MXFP4_VALUES`]:
+    /// an integer, as ggml's table holds it.
+    Mxfp4Value,
     /// The f32 value of an FP8 E4M3 code given as an integer (its low 8 bits), exactly: an
     /// FP8 checkpoint's weights.
     Fp8ToFloat,
@@ -107,6 +110,10 @@ pub enum UnOp {
 
 /// ggml's `kvalues_iq4nl`: the values of IQ4_NL's and IQ4_XS's 4-bit indices.
 pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// ggml's `kvalues_mxfp4`: MXFP4's E2M1 codes' values doubled (±0, 0.5, 1, 1.5, 2, 3, 4, 6 as
+/// integers; −0 as 0).
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Expr {

@@ -31,6 +31,7 @@ fn ggml(format: DType) -> GgmlType {
         DType::Q3K => GgmlType::Q3K,
         DType::IQ4NL => GgmlType::IQ4NL,
         DType::IQ4XS => GgmlType::IQ4XS,
+        DType::MXFP4 => GgmlType::MXFP4,
         DType::F8E4M3B32 => GgmlType::F8E4M3B32,
         DType::U4B32 => GgmlType::U4B32,
         DType::U4B128 => GgmlType::U4B128,
@@ -42,8 +43,17 @@ fn ggml(format: DType) -> GgmlType {
 /// The fixture's blocks of a GGUF format; FP8, FP4 and 4-bit blocks (which no GGUF file holds)
 /// made here: 64 of them (16 of 128 levels), every finite code or every level, scales of either
 /// sign and several magnitudes (the 4-bit blocks' exact, with the offsets of zero points 0 to
-/// 16; the FP4 blocks' two scales different).
+/// 16; the FP4 blocks' two scales different). MXFP4's fixture blocks are followed by 8 made
+/// here whose exponents take ggml's subnormal scales (0, 1) and the smallest normal one.
 fn blocks(format: DType) -> Vec<u8> {
+    if format == DType::MXFP4 {
+        let mut data = gguf_blocks(format);
+        for b in 0..8u8 {
+            data.push([0, 1, 2][usize::from(b) % 3]);
+            data.extend((0..16u8).map(|j| ((j * 5 + b) % 16) | (((j * 11 + 3 * b) % 16) << 4)));
+        }
+        return data;
+    }
     if matches!(format, DType::U4B32 | DType::U4B128) {
         let elems = block_layout(format).unwrap().0 as usize;
         return (0..2048 / elems)
@@ -81,6 +91,11 @@ fn blocks(format: DType) -> Vec<u8> {
             })
             .collect();
     }
+    gguf_blocks(format)
+}
+
+/// The fixture's blocks of a GGUF format (`tests/fixtures/gguf-blocks`).
+fn gguf_blocks(format: DType) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join(format!("../tests/fixtures/gguf-blocks/{}.bin", ggml(format).name()));
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

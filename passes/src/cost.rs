@@ -89,6 +89,7 @@ const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
     DType::Q3K,
     DType::IQ4NL,
     DType::IQ4XS,
+    DType::MXFP4,
 ];
 
 /// Weight types a matmul can take a GLU epilogue over: the decode GEMV pairs a gate row with
@@ -116,6 +117,7 @@ pub fn bytes_per_element(dtype: DType) -> f64 {
         DType::Q3K => 110.0 / 256.0,
         DType::IQ4NL => 18.0 / 32.0,
         DType::IQ4XS => 136.0 / 256.0,
+        DType::MXFP4 => 17.0 / 32.0,
         DType::F8E4M3B32 => 36.0 / 32.0,
         DType::U4B32 => 24.0 / 32.0,
         DType::U4B128 => 72.0 / 128.0,

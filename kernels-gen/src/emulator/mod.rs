@@ -1044,6 +1044,7 @@ impl<'k> Block<'k> {
                         (UnOp::HalfToFloat, v) => Val::F(half::f16::from_bits(v.i() as u16).to_f32()),
                         (UnOp::OrderedBits, v) => Val::I(ordered_bits(v.f()) as i64),
                         (UnOp::Iq4Value, v) => Val::I(IQ4_VALUES[v.i() as usize & 15] as i64),
+                        (UnOp::Mxfp4Value, v) => Val::I(MXFP4_VALUES[v.i() as usize & 15] as i64),
                         (UnOp::Fp8ToFloat, v) => Val::F(ir::F8E4M3(v.i() as u8).to_f32()),
                         (UnOp::BitsToFloat, v) => Val::F(f32::from_bits(v.i() as u32)),
                         (op, v) => Val::F(unop_f32(*op, v.f())),
@@ -1052,7 +1053,7 @@ impl<'k> Block<'k> {
                 let result = match op {
                     UnOp::HalfToFloat | UnOp::Fp8ToFloat | UnOp::BitsToFloat => Ty::F32,
                     UnOp::OrderedBits => Ty::U32,
-                    UnOp::Iq4Value => Ty::I32,
+                    UnOp::Iq4Value | UnOp::Mxfp4Value => Ty::I32,
                     UnOp::Not | UnOp::Neg | UnOp::Abs => ty,
                     _ => Ty::F32,
                 };
@@ -1234,7 +1235,7 @@ fn unop_f32(op: UnOp, v: f32) -> f32 {
         UnOp::Abs => v.abs(),
         UnOp::Not => (v == 0.0) as i32 as f32,
         UnOp::HalfToFloat => half::f16::from_bits(v as u16).to_f32(),
-        UnOp::OrderedBits | UnOp::Iq4Value | UnOp::Fp8ToFloat | UnOp::BitsToFloat => {
+        UnOp::OrderedBits | UnOp::Iq4Value | UnOp::Mxfp4Value | UnOp::Fp8ToFloat | UnOp::BitsToFloat => {
             unreachable!("an integer operand, evaluated apart")
         }
     }

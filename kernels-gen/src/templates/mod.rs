@@ -625,9 +625,9 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
     }
 }
 
-/// The block formats the GPU templates read: GGUF's, FP8 checkpoints' blocks of 32, and
-/// integer checkpoints' 4-bit blocks of 32.
-pub const QUANT_FORMATS: [ir::DType; 16] = [
+/// The block formats the GPU templates read: GGUF's, and the blocks FP8, integer and FP4
+/// checkpoints' weights are held in.
+pub const QUANT_FORMATS: [ir::DType; 17] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
@@ -640,6 +640,7 @@ pub const QUANT_FORMATS: [ir::DType; 16] = [
     ir::DType::Q6K,
     ir::DType::IQ4NL,
     ir::DType::IQ4XS,
+    ir::DType::MXFP4,
     ir::DType::F8E4M3B32,
     ir::DType::U4B32,
     ir::DType::U4B128,

@@ -32,6 +32,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q2K => (256, 84),
         DType::Q3K => (256, 110),
         DType::IQ4XS => (256, 136),
+        DType::MXFP4 => (32, 17),
         DType::F8E4M3B32 => (32, 36),
         DType::U4B32 => (32, 24),
         DType::U4B128 => (128, 72),
@@ -84,6 +85,22 @@ fn e2m1(c: Expr) -> Expr {
     let magnitude = select(eq(e, int(0)), m * int(0x3F00_0000), normal);
     let sign = bin(BinOp::Shl, mask_bits(c, 8), int(28));
     un(UnOp::BitsToFloat, cast(Ty::U32, magnitude) + cast(Ty::U32, sign))
+}
+/// Half the scale of an MXFP4 block whose E8M0 exponent is `e`: `2^(e − 128)` built as ggml
+/// builds it (`GGML_E8M0_TO_FP32_HALF`: subnormal bits for `e` below 2). Both sides of the
+/// select are computed, so the subnormal side shifts by `e`'s low bit only.
+fn e8m0_half(e: Expr) -> Expr {
+    let subnormal = bin(BinOp::Shl, int(0x0020_0000), mask_bits(e.clone(), 1));
+    let normal = bin(BinOp::Shl, e.clone() - int(1), int(23));
+    un(
+        UnOp::BitsToFloat,
+        cast(Ty::U32, select(lt(e, int(2)), subnormal, normal)),
+    )
+}
+/// An MXFP4 weight as ggml computes it: the code's E2M1 value doubled, an integer from ggml's
+/// table (`UnOp::Mxfp4Value`; a negative zero is 0), times the half scale.
+fn mxfp4_weight(code: Expr, half_scale: Expr) -> Expr {
+    f32_of(un(UnOp::Mxfp4Value, code)) * half_scale
 }
 /// The IQ4 table's value at a 4-bit index.
 fn iq4_value(i: Expr) -> Expr {
@@ -177,6 +194,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         }
         DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
         DType::IQ4NL => half(base()) * f32_of(iq4_value(nibble(base() + int(2)))),
+        DType::MXFP4 => mxfp4_weight(nibble(base() + int(1)), e8m0_half(byte(base()))),
         DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
         DType::Q5_0 => {
             half(base())
@@ -272,6 +290,7 @@ pub fn decodes_whole_blocks(format: DType) -> bool {
             | DType::Q5_1
             | DType::Q8_0
             | DType::IQ4NL
+            | DType::MXFP4
             | DType::F8E4M3B32
             | DType::U4B32
             | DType::F4E2M1B32
@@ -296,12 +315,17 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
     if format == DType::F4E2M1B32 {
         return fp4_block_weights(prefix, base, elements);
     }
-    let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
+    let scale = match format {
+        DType::MXFP4 => e8m0_half(byte(at(0))),
+        _ => half(at(0)),
+    };
+    let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, scale)];
     let (qs, offset, with_min, qh) = match format {
         DType::Q4_0 => (2, 8, false, None),
         DType::Q4_1 => (4, 0, true, None),
         DType::Q5_0 => (6, 16, false, Some(2)),
         DType::Q5_1 => (8, 0, true, Some(4)),
+        DType::MXFP4 => (1, 0, false, None),
         _ => (2, 0, false, None),
     };
     if with_min {
@@ -323,6 +347,9 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
     let scaled = |q: Expr| {
         if format == DType::IQ4NL {
             return var("blk_d") * f32_of(iq4_value(q));
+        }
+        if format == DType::MXFP4 {
+            return mxfp4_weight(q, var("blk_d"));
         }
         let v = var("blk_d") * f32_of(q - int(offset));
         match with_min {

@@ -11,6 +11,7 @@ pub mod fp4_blocks;
 pub mod fp8_blocks;
 pub mod int8_rows;
 pub mod iq4;
+pub mod mxfp4;
 pub mod q2_k;
 pub mod q3_k;
 pub mod q4_0;
@@ -25,6 +26,7 @@ pub mod tensor;
 pub mod u4_blocks;
 
 pub use iq4::{IQ4NL, IQ4XS};
+pub use mxfp4::MXFP4;
 pub use q2_k::Q2K;
 pub use q3_k::Q3K;
 pub use q4_0::Q4_0;
@@ -81,6 +83,8 @@ pub enum GgmlType {
     IQ4NL = 20,
     IQ4XS = 23,
     BF16 = 30,
+    /// OCP MXFP4 ([`mxfp4`]): FP4 E2M1 codes in blocks of 32 under a power-of-two scale.
+    MXFP4 = 39,
     /// bbc's own ([`fp8_blocks`]): FP8 E4M3 codes in blocks of 32 with an f32 scale. Its id
     /// is none of ggml's, and no GGUF file is read as it.
     F8E4M3B32 = 1000,
@@ -97,7 +101,7 @@ pub enum GgmlType {
 
 impl GgmlType {
     /// Every type bbc reads.
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 16] = [
         Self::F32,
         Self::F16,
         Self::BF16,
@@ -113,6 +117,7 @@ impl GgmlType {
         Self::Q6K,
         Self::IQ4NL,
         Self::IQ4XS,
+        Self::MXFP4,
     ];
 
     /// ggml's name for a type id bbc does not read (so a refusal can say which it is).
@@ -134,7 +139,6 @@ impl GgmlType {
             29 => "IQ1_M",
             34 => "TQ1_0",
             35 => "TQ2_0",
-            39 => "MXFP4",
             40 => "NVFP4",
             _ => return None,
         })
@@ -157,6 +161,7 @@ impl GgmlType {
             20 => Self::IQ4NL,
             23 => Self::IQ4XS,
             30 => Self::BF16,
+            39 => Self::MXFP4,
             _ => return None,
         })
     }
@@ -178,6 +183,7 @@ impl GgmlType {
             Self::Q6K => "Q6_K",
             Self::IQ4NL => "IQ4_NL",
             Self::IQ4XS => "IQ4_XS",
+            Self::MXFP4 => "MXFP4",
             Self::F8E4M3B32 => "F8_E4M3_B32",
             Self::U4B32 => "U4_B32",
             Self::U4B128 => "U4_B128",
@@ -202,6 +208,7 @@ impl GgmlType {
             Self::Q3K => (Q3K::BLOCK_ELEMS, Q3K::BLOCK_BYTES),
             Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
             Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
+            Self::MXFP4 => (MXFP4::BLOCK_ELEMS, MXFP4::BLOCK_BYTES),
             Self::F8E4M3B32 => (fp8_blocks::BLOCK_ELEMS, fp8_blocks::BLOCK_BYTES),
             Self::F4E2M1B32 => (fp4_blocks::BLOCK_ELEMS, fp4_blocks::BLOCK_BYTES),
             Self::U4B32 | Self::U4B128 => {
@@ -269,6 +276,7 @@ impl GgmlType {
             Self::Q3K => dequantize_blocks::<Q3K>(data, out),
             Self::IQ4NL => dequantize_blocks::<IQ4NL>(data, out),
             Self::IQ4XS => dequantize_blocks::<IQ4XS>(data, out),
+            Self::MXFP4 => dequantize_blocks::<MXFP4>(data, out),
             Self::F8E4M3B32 => {
                 for (block, out) in data
                     .chunks_exact(fp8_blocks::BLOCK_BYTES)
@@ -309,6 +317,7 @@ impl GgmlType {
             Self::Q3K => dot_blocks::<Q3K>(data, x),
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
+            Self::MXFP4 => dot_blocks::<MXFP4>(data, x),
             Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::F4E2M1B32 | Self::U4B32 | Self::U4B128 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
@@ -400,8 +409,7 @@ mod tests {
         }
         let read = (0..64).filter(|&id| GgmlType::from_id(id).is_some()).count();
         assert_eq!(read, GgmlType::ALL.len());
-        // ggml's FP4 types are refused by name (bbc reads FP4 from HF checkpoints).
-        assert_eq!(GgmlType::other_name(39), Some("MXFP4"));
+        // ggml's NVFP4 is refused by name (bbc reads NVFP4 from HF checkpoints).
         assert_eq!(GgmlType::other_name(40), Some("NVFP4"));
     }
 

@@ -91,6 +91,7 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::Q3K => ir::DType::Q3K,
         GgmlType::IQ4NL => ir::DType::IQ4NL,
         GgmlType::IQ4XS => ir::DType::IQ4XS,
+        GgmlType::MXFP4 => ir::DType::MXFP4,
         GgmlType::F8E4M3B32 => ir::DType::F8E4M3B32,
         GgmlType::U4B32 => ir::DType::U4B32,
         GgmlType::U4B128 => ir::DType::U4B128,

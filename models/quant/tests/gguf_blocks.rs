@@ -24,8 +24,8 @@ fn dequantization_matches_gguf_py() {
     let formats = index.as_object().unwrap();
     assert_eq!(
         formats.len(),
-        12,
-        "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS"
+        13,
+        "Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4"
     );
     for (name, info) in formats {
         let dtype = GgmlType::from_id(info["type_id"].as_u64().unwrap() as u32).unwrap();

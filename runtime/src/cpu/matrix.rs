@@ -71,8 +71,26 @@ impl Fp8Blocks {
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
     /// reads has a layout; rows of no whole number of blocks are refused); FP8, 4-bit and FP4
-    /// blocks as they are.
+    /// blocks as they are; MXFP4 as FP4 blocks (the same weights, each block's power of two
+    /// as an f32: `quant::mxfp4::to_fp4_blocks`), or widened to f32 where a block's scale is
+    /// none (an exponent of 255).
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
+        if dtype == GgmlType::MXFP4 {
+            if row_bytes == 0
+                || !row_bytes.is_multiple_of(quant::mxfp4::BLOCK_BYTES)
+                || !bytes.len().is_multiple_of(row_bytes)
+            {
+                return Err(format!("MXFP4 rows of {row_bytes} bytes are not whole blocks"));
+            }
+            return Ok(match quant::mxfp4::to_fp4_blocks(&bytes) {
+                Some(blocks) => Storage::Fp4Blocks(blocks),
+                None => {
+                    let mut values = vec![0f32; bytes.len() / quant::mxfp4::BLOCK_BYTES * quant::mxfp4::BLOCK_ELEMS];
+                    dtype.dequantize(&bytes, &mut values);
+                    Storage::F32(values)
+                }
+            });
+        }
         if dtype.is_checkpoint_blocks() {
             let (_, block_bytes) = dtype.block_layout();
             if row_bytes == 0 || !row_bytes.is_multiple_of(block_bytes) || !bytes.len().is_multiple_of(row_bytes) {
@@ -791,6 +809,42 @@ mod tests {
         GgmlType::F4E2M1B32.dequantize(&blocks, &mut weights);
         check_products(&m, &weights, &[1, 5, 36], None);
         check_rows_kept(&m, &weights);
+    }
+
+    /// MXFP4 rows are held as FP4 blocks, their products those of the file's weights (ggml's
+    /// dequantization) bit for bit; rows with an exponent of 255 (no f32 scale) as f32 of the
+    /// same weights; rows of no whole blocks refused.
+    #[test]
+    fn mxfp4_rows_multiply_the_files_weights() {
+        let (rows, cols) = (40, 64);
+        let mut blocks: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let exponent = [0u8, 1, 2, 118, 127, 131][b % 6];
+                std::iter::once(exponent).chain((0..16).map(move |j| (((b * 16 + j) * 2654435761usize) >> 9) as u8))
+            })
+            .collect();
+        let row_bytes = cols / 32 * quant::mxfp4::BLOCK_BYTES;
+        assert!(Storage::block_rows(GgmlType::MXFP4, blocks.clone(), row_bytes + 1).is_err());
+        let mut weights = vec![0f32; rows * cols];
+        GgmlType::MXFP4.dequantize(&blocks, &mut weights);
+        let m = Matrix {
+            rows,
+            cols,
+            storage: Storage::block_rows(GgmlType::MXFP4, blocks.clone(), row_bytes).unwrap(),
+        };
+        assert!(matches!(m.storage, Storage::Fp4Blocks(_)));
+        check_products(&m, &weights, &[1, 5, 36], None);
+        blocks[3 * quant::mxfp4::BLOCK_BYTES] = 255;
+        GgmlType::MXFP4.dequantize(&blocks, &mut weights);
+        assert!(weights.iter().any(|w| w.is_infinite()));
+        let storage = Storage::block_rows(GgmlType::MXFP4, blocks, row_bytes).unwrap();
+        let Storage::F32(held) = &storage else {
+            panic!("an exponent of 255 is held as f32")
+        };
+        assert_eq!(
+            held.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            weights.iter().map(|w| w.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,

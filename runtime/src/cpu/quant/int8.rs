@@ -4,7 +4,7 @@
 //! (`y = scale·w − min`), and each group contributes `scale·dx·Σ w·qx − min·dx·Σ qx`.
 //! Integer sums are exact; the only approximation is the activation's rounding.
 
-use super::{BlockFormat, GgmlType, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::{BlockFormat, GgmlType, IQ4NL, IQ4XS, MXFP4, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 
 /// Elements per activation block.
 pub const ACT_BLOCK: usize = 32;
@@ -411,6 +411,7 @@ impl UnpackedRow {
             GgmlType::Q3K => self.unpack_with::<Q3K>(row),
             GgmlType::IQ4NL => self.unpack_with::<IQ4NL>(row),
             GgmlType::IQ4XS => self.unpack_with::<IQ4XS>(row),
+            GgmlType::MXFP4 => self.unpack_with::<MXFP4>(row),
             GgmlType::F32
             | GgmlType::F16
             | GgmlType::BF16
