@@ -3,7 +3,7 @@
 # machine that has neither a Rust toolchain nor a network:
 #   .gpu-kit/bbc            the release binary, stripped
 #   .gpu-kit/smollm2.gguf   SmolLM2-135M-Instruct (Q4_1), with its sha256 beside it
-# Copy `.gpu-kit/`, `scripts/` and `tests/fixtures/hf-tiny/` there and run
+# Copy `.gpu-kit/`, `scripts/` and `tests/fixtures/` (hf-tiny, gguf-tiny, eagle) there and run
 #   BBC_BIN=.gpu-kit/bbc BBC_MODEL=.gpu-kit/smollm2.gguf scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -257,6 +257,34 @@ fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
     check_gguf_against_hf("glm4_moe", models::Family::Glm4Moe);
 }
 
+/// GLM-4.5 as `llama-quantize … MXFP4_MOE` writes it (`glm4moe`: the stacked experts in
+/// GGUF's MXFP4, every other matrix in Q8_0, the router and vectors in f32), against HF over
+/// the weights the file holds (each block dequantized, exact in f32): the interpreter, and the
+/// CPU backend computing in f32 (every weight dequantized), within 1e-4 with HF's 12 greedy
+/// ids, lowered and fused; natively (the experts held as FP4 blocks, the same weights, against
+/// f32 activations; Q8_0 rows against int8 activations, which move these logits by up to 1.5%
+/// of the largest) the logits within 3e-2 of HF's, relative to the largest, and HF's greedy
+/// ids (whose smallest lead is 0.008).
+#[test]
+fn glm4_moe_from_an_mxfp4_moe_gguf_matches_hf_over_its_weights() {
+    let path = fixture("gguf-tiny/glm4_moe.mxfp4_moe.gguf");
+    let reference = Reference::from_fixture("gguf-tiny/glm4_moe.mxfp4_moe-reference.safetensors");
+    let mut spec = ModelSpec::for_weights(&path);
+    spec.dtype = ComputeDtype::F32;
+    let model = Model::open(spec).unwrap();
+    assert_eq!(model.config.family, models::Family::Glm4Moe);
+    let experts = model
+        .weights
+        .describe("blk.1.ffn_gate_exps.weight")
+        .map(|(dtype, _)| dtype);
+    assert_eq!(experts, Some(quant::GgmlType::MXFP4));
+    check_interpreter_against(&model, &reference, "glm4_moe mxfp4_moe");
+    check_cpu_backend_against(&model, &reference, "glm4_moe mxfp4_moe");
+    let native = Model::open(ModelSpec::for_weights(&path)).unwrap();
+    let graph = passes::optimized(&native.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
+    check_cpu_graph_within(&native, graph, &reference, 3e-2, "glm4_moe mxfp4_moe native");
+}
+
 /// Gemma 4 as llama.cpp's converter writes it (`gemma4`: the full layers' heads in
 /// `key_length` and the sliding ones' in `key_length_swa`, sliding layers flagged, the
 /// full layers' proportional RoPE as `rope_freqs` factors, per-layer inputs as

@@ -142,6 +142,14 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     for (name, path) in [
         ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(scratch.path())?),
         ("llama f16", super::tiny_gguf::f16_llama(scratch.path())?),
+        // llama.cpp's MXFP4_MOE: experts in MXFP4 blocks, the rest in Q8_0.
+        (
+            "glm4_moe MXFP4/Q8_0",
+            fixtures
+                .parent()
+                .unwrap_or(fixtures)
+                .join("gguf-tiny/glm4_moe.mxfp4_moe.gguf"),
+        ),
     ] {
         worst = worst.max(lockstep(
             name,
