@@ -238,18 +238,21 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
     }
 }
 
-/// `bbc compile` of a GGUF MoE model in its own blocks (the tiny Qwen3-Next, Q8_0) builds for
-/// every GPU target: the experts' gate/up kernel decodes two rows' blocks in one loop (each
-/// decode's temporaries had the same names, which NVRTC refused as declared twice).
+/// `bbc compile` of a GGUF MoE model in its own blocks (the tiny Qwen3-Next, Q8_0; the tiny
+/// GLM-4.5 as llama.cpp's MXFP4_MOE, experts in MXFP4) builds for every GPU target: the
+/// experts' gate/up kernel decodes two rows' blocks in one loop (each decode's temporaries had
+/// the same names, which NVRTC refused as declared twice).
 #[test]
 fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
     if !nvrtc_present() {
         return;
     }
     let scratch = common::scratch_dir("bbc-gpu-moe-q8-");
-    let weights = common::fixture("gguf-tiny/qwen3_next.q8_0.gguf");
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        compile_every_plan(&weights, target, &scratch.path().join(target.name()));
+    for file in ["qwen3_next.q8_0", "glm4_moe.mxfp4_moe"] {
+        let weights = common::fixture(&format!("gguf-tiny/{file}.gguf"));
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            compile_every_plan(&weights, target, &scratch.path().join(file).join(target.name()));
+        }
     }
 }
 
