@@ -261,10 +261,9 @@ fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
 /// GGUF's MXFP4, every other matrix in Q8_0, the router and vectors in f32), against HF over
 /// the weights the file holds (each block dequantized, exact in f32): the interpreter, and the
 /// CPU backend computing in f32 (every weight dequantized), within 1e-4 with HF's 12 greedy
-/// ids, lowered and fused; natively (the experts held as FP4 blocks, the same weights, against
-/// f32 activations; Q8_0 rows against int8 activations, which move these logits by up to 1.5%
-/// of the largest) the logits within 3e-2 of HF's, relative to the largest, and HF's greedy
-/// ids (whose smallest lead is 0.008).
+/// ids, lowered and fused; natively (the MXFP4 and Q8_0 rows against int8 activations, which
+/// move these logits by up to 1.4% of the largest) the logits within 3e-2 of HF's, relative to
+/// the largest, and HF's greedy ids (whose smallest lead is 0.008).
 #[test]
 fn glm4_moe_from_an_mxfp4_moe_gguf_matches_hf_over_its_weights() {
     let path = fixture("gguf-tiny/glm4_moe.mxfp4_moe.gguf");

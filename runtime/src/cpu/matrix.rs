@@ -71,9 +71,11 @@ impl Fp8Blocks {
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
     /// reads has a layout; rows of no whole number of blocks are refused); FP8, 4-bit and FP4
-    /// blocks as they are; MXFP4 as FP4 blocks (the same weights, each block's power of two
-    /// as an f32: `quant::mxfp4::to_fp4_blocks`), or widened to f32 where a block's scale is
-    /// none (an exponent of 255).
+    /// blocks as they are. MXFP4 rows are interleaved where every block's scale is exact in
+    /// the layout's f16 (half of it, 2^(e − 128), from 2⁻²⁴ to 2¹⁵: real weights'), else held
+    /// as FP4 blocks (the same weights, each block's power of two as an f32:
+    /// `quant::mxfp4::to_fp4_blocks`), or widened to f32 where a block's scale is none (an
+    /// exponent of 255).
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
         if dtype == GgmlType::MXFP4 {
             if row_bytes == 0
@@ -81,6 +83,9 @@ impl Storage {
                 || !bytes.len().is_multiple_of(row_bytes)
             {
                 return Err(format!("MXFP4 rows of {row_bytes} bytes are not whole blocks"));
+            }
+            if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
+                return Ok(Storage::Interleaved(rows));
             }
             return Ok(match quant::mxfp4::to_fp4_blocks(&bytes) {
                 Some(blocks) => Storage::Fp4Blocks(blocks),
@@ -811,9 +816,10 @@ mod tests {
         check_rows_kept(&m, &weights);
     }
 
-    /// MXFP4 rows are held as FP4 blocks, their products those of the file's weights (ggml's
-    /// dequantization) bit for bit; rows with an exponent of 255 (no f32 scale) as f32 of the
-    /// same weights; rows of no whole blocks refused.
+    /// MXFP4 rows are interleaved for the int8 kernels where every scale fits the layout (the
+    /// kernels are checked in `interleaved`), else held as FP4 blocks, their products those of
+    /// the file's weights (ggml's dequantization) bit for bit; rows with an exponent of 255 (no
+    /// f32 scale) as f32 of the same weights; rows of no whole blocks refused.
     #[test]
     fn mxfp4_rows_multiply_the_files_weights() {
         let (rows, cols) = (40, 64);
@@ -827,12 +833,23 @@ mod tests {
         assert!(Storage::block_rows(GgmlType::MXFP4, blocks.clone(), row_bytes + 1).is_err());
         let mut weights = vec![0f32; rows * cols];
         GgmlType::MXFP4.dequantize(&blocks, &mut weights);
+        let mut held = blocks.clone();
+        held.chunks_exact_mut(quant::mxfp4::BLOCK_BYTES)
+            .for_each(|b| b[0] = b[0].clamp(104, 143));
+        let storage = Storage::block_rows(GgmlType::MXFP4, held.clone(), row_bytes).unwrap();
+        let Storage::Interleaved(interleaved) = &storage else {
+            panic!("real weights' scales are interleaved")
+        };
+        assert_eq!(interleaved.gguf_bytes(), held);
         let m = Matrix {
             rows,
             cols,
             storage: Storage::block_rows(GgmlType::MXFP4, blocks.clone(), row_bytes).unwrap(),
         };
-        assert!(matches!(m.storage, Storage::Fp4Blocks(_)));
+        assert!(
+            matches!(m.storage, Storage::Fp4Blocks(_)),
+            "exponents 0, 1 and 2 are not"
+        );
         check_products(&m, &weights, &[1, 5, 36], None);
         blocks[3 * quant::mxfp4::BLOCK_BYTES] = 255;
         GgmlType::MXFP4.dequantize(&blocks, &mut weights);

@@ -1,6 +1,6 @@
-//! Rows of a 32-weight block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) regrouped for matmuls, as
-//! llama.cpp's repacked CPU kernels do: [`GROUP`] rows interleaved so that one 512-bit register
-//! holds four neighbouring weights of each of sixteen rows. A `vpdpbusd` against four
+//! Rows of a 32-weight block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) regrouped for
+//! matmuls, as llama.cpp's repacked CPU kernels do: [`GROUP`] rows interleaved so that one
+//! 512-bit register holds four neighbouring weights of each of sixteen rows. A `vpdpbusd` against four
 //! activation bytes broadcast to every lane then advances sixteen rows' dots at once, and each
 //! lane ends a block holding its row's exact integer sum: the float work (a scale product and
 //! an FMA) is paid once per block for sixteen rows, where a row-at-a-time kernel pays it per
@@ -20,12 +20,14 @@
 //!   `4c + k`, high nibble: weight `16 + 4c + k`); Q8_0's bytes as `[group 0..8][row][byte]`,
 //!   `w + 128`;
 //! - Q5's fifth bits: `[row][byte 0..4]`, bit `g` of byte `k` the fifth bit of weight `4g + k`;
-//! - the sixteen rows' scales, f16 as stored; then (Q4_1, Q5_1) their minimums.
+//! - the sixteen rows' scales, f16 as stored (MXFP4's E8M0 scale as the f16 power of two ggml
+//!   multiplies by, where that is exact); then (Q4_1, Q5_1) their minimums.
 //!
 //! So the stored integer is `u = w + bias` (8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 0 with a
 //! minimum), and a block's sum starts from `−bias·Σqx` before the unsigned products are added.
-//! IQ4_NL keeps Q4_0's nibbles, which index a table of int8 values: the kernels look each up
-//! (`vpshufb`) as the value + 128 and sum it as Q8_0's bytes, bias 128.
+//! IQ4_NL and MXFP4 keep Q4_0's nibbles, which index a table of int8 values (IQ4's; MXFP4's E2M1
+//! values doubled): the kernels look each up (`vpshufb`) as the value + 128 and sum it as
+//! Q8_0's bytes, bias 128.
 
 #[cfg(target_arch = "x86_64")]
 mod amx_tiles;
@@ -33,8 +35,8 @@ mod amx_tiles;
 pub(super) use x86::fifth_bit;
 
 use super::int8::{Int8Kernel, Q8Row, ACT_BLOCK};
-use super::iq4::STORED;
 use super::GgmlType;
+use super::{iq4, mxfp4};
 use std::ops::Range;
 
 /// Rows interleaved together: one i32 lane each of a 512-bit register.
@@ -50,8 +52,9 @@ struct Layout {
     fifth_bits: bool,
     /// An f16 minimum per block (Q4_1, Q5_1).
     mins: bool,
-    /// The nibbles are indices into the IQ4 table (IQ4_NL), whose values the kernels look up.
-    table: bool,
+    /// The table the nibbles index (IQ4_NL's, MXFP4's doubled E2M1 values), whose values the
+    /// kernels look up; [`NO_TABLE`] where the nibbles are the weights.
+    table: u8,
     /// What the stored unsigned integer exceeds the format's integer by.
     bias: i32,
     /// Where the packed nibbles (or Q8_0's bytes) start in a GGUF block.
@@ -69,6 +72,7 @@ impl Layout {
             GgmlType::Q5_1 => (true, true, true, 0, 8, 24),
             GgmlType::Q8_0 => (false, false, false, 128, 2, 34),
             GgmlType::IQ4NL => (true, false, false, 128, 2, 18),
+            GgmlType::MXFP4 => (true, false, false, 128, 1, 17),
             _ => return None,
         };
         Some(Self {
@@ -76,7 +80,11 @@ impl Layout {
             nibbles,
             fifth_bits,
             mins,
-            table: dtype == GgmlType::IQ4NL,
+            table: match dtype {
+                GgmlType::IQ4NL => IQ4_TABLE,
+                GgmlType::MXFP4 => MXFP4_TABLE,
+                _ => NO_TABLE,
+            },
             bias,
             quants_at,
             block_bytes,
@@ -107,6 +115,44 @@ impl Layout {
     }
 }
 
+/// The kernels' `TABLE` parameter: the nibbles are the weights.
+const NO_TABLE: u8 = 0;
+/// The nibbles index IQ4_NL's table.
+const IQ4_TABLE: u8 = 1;
+/// The nibbles index MXFP4's doubled E2M1 values.
+const MXFP4_TABLE: u8 = 2;
+
+/// The stored values (value + 128, for `vpdpbusd`) of table `table`.
+const fn stored_table(table: u8) -> &'static [u8; 16] {
+    match table {
+        MXFP4_TABLE => &mxfp4::STORED,
+        _ => &iq4::STORED,
+    }
+}
+
+/// An MXFP4 block's scale as the layout keeps it, an f16 (`None` where that is not exactly the
+/// block's weights' scale: the layout then cannot hold the block). Half the E8M0 scale, by
+/// which ggml multiplies the doubled values, is a power of two, exact in f16 from 2⁻²⁴ to 2¹⁵;
+/// a block of zero codes under exponent 0 keeps 0, which reads back as exponent 0.
+fn mxfp4_f16_scale(block: &[u8]) -> Option<half::f16> {
+    let e = block[0];
+    let zeros = block[1..].iter().all(|&b| b & 0x77 == 0);
+    match e {
+        104..=143 => Some(half::f16::from_f32(mxfp4::half_scale(e))),
+        0 if zeros => Some(half::f16::ZERO),
+        _ => None,
+    }
+}
+
+/// The E8M0 exponent of an MXFP4 scale kept as an f16 (the inverse of [`mxfp4_f16_scale`]).
+fn mxfp4_exponent(scale: half::f16) -> u8 {
+    match scale.to_f32() {
+        0.0 => 0,
+        // 2^(e − 128) has the f32 exponent field e − 1.
+        s => ((s.to_bits() >> 23) + 1) as u8,
+    }
+}
+
 /// A matrix of 32-weight block rows, interleaved by [`GROUP`] rows.
 #[derive(Debug, Clone)]
 pub struct InterleavedRows {
@@ -126,6 +172,13 @@ impl InterleavedRows {
             return None;
         }
         let (rows, blocks) = (bytes.len() / row_bytes, row_bytes / layout.block_bytes);
+        if dtype == GgmlType::MXFP4
+            && !bytes
+                .chunks_exact(layout.block_bytes)
+                .all(|b| mxfp4_f16_scale(b).is_some())
+        {
+            return None;
+        }
         let per_block = layout.group_block_bytes();
         let mut data = vec![0u8; rows.div_ceil(GROUP) * blocks * per_block];
         for row in 0..rows {
@@ -261,12 +314,13 @@ impl InterleavedRows {
         let data = &self.data[self.place(group, 0)..self.place(group + 1, 0)];
         let l = self.layout;
         match (l.nibbles, l.fifth_bits, l.mins, l.table) {
-            (true, false, false, true) => run::<true, false, false, true>(data, acts, out, kernel),
-            (true, false, false, _) => run::<true, false, false, false>(data, acts, out, kernel),
-            (true, false, true, _) => run::<true, false, true, false>(data, acts, out, kernel),
-            (true, true, false, _) => run::<true, true, false, false>(data, acts, out, kernel),
-            (true, true, true, _) => run::<true, true, true, false>(data, acts, out, kernel),
-            _ => run::<false, false, false, false>(data, acts, out, kernel),
+            (true, false, false, IQ4_TABLE) => run::<true, false, false, IQ4_TABLE>(data, acts, out, kernel),
+            (true, false, false, MXFP4_TABLE) => run::<true, false, false, MXFP4_TABLE>(data, acts, out, kernel),
+            (true, false, false, _) => run::<true, false, false, NO_TABLE>(data, acts, out, kernel),
+            (true, false, true, _) => run::<true, false, true, NO_TABLE>(data, acts, out, kernel),
+            (true, true, false, _) => run::<true, true, false, NO_TABLE>(data, acts, out, kernel),
+            (true, true, true, _) => run::<true, true, true, NO_TABLE>(data, acts, out, kernel),
+            _ => run::<false, false, false, NO_TABLE>(data, acts, out, kernel),
         }
     }
 
@@ -331,7 +385,13 @@ fn interleave_block(layout: &Layout, block: &[u8], lane: usize, out: &mut [u8]) 
         }
     }
     let scale = layout.scales_at() + 2 * lane;
-    out[scale..scale + 2].copy_from_slice(&block[0..2]);
+    match layout.dtype {
+        GgmlType::MXFP4 => {
+            let f16 = mxfp4_f16_scale(block).expect("the rows' scales were checked");
+            out[scale..scale + 2].copy_from_slice(&f16.to_le_bytes());
+        }
+        _ => out[scale..scale + 2].copy_from_slice(&block[0..2]),
+    }
     if layout.mins {
         let min = layout.mins_at() + 2 * lane;
         out[min..min + 2].copy_from_slice(&block[2..4]);
@@ -341,7 +401,13 @@ fn interleave_block(layout: &Layout, block: &[u8], lane: usize, out: &mut [u8]) 
 /// Lane `lane` of a group's block back as its GGUF block (the inverse of [`interleave_block`]).
 fn gguf_block(layout: &Layout, group_block: &[u8], lane: usize, block: &mut [u8]) {
     let scale = layout.scales_at() + 2 * lane;
-    block[0..2].copy_from_slice(&group_block[scale..scale + 2]);
+    match layout.dtype {
+        GgmlType::MXFP4 => {
+            let f16 = half::f16::from_le_bytes([group_block[scale], group_block[scale + 1]]);
+            block[0] = mxfp4_exponent(f16);
+        }
+        _ => block[0..2].copy_from_slice(&group_block[scale..scale + 2]),
+    }
     if layout.mins {
         let min = layout.mins_at() + 2 * lane;
         block[2..4].copy_from_slice(&group_block[min..min + 2]);
@@ -415,7 +481,7 @@ struct Token {
 /// Tokens per pass over a group's weights.
 const TILE: usize = 4;
 
-fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
+fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: u8>(
     data: &[u8],
     acts: &Activations,
     out: &mut [f32],
@@ -444,7 +510,7 @@ fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bo
     }
 }
 
-fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool, const T: usize>(
+fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: u8, const T: usize>(
     data: &[u8],
     blocks: usize,
     acts: &Activations,
@@ -502,7 +568,7 @@ const fn group_block_bytes(nibbles: bool, fifth: bool, mins: bool) -> usize {
 /// # Safety
 /// `block` holds a group's block of this layout.
 #[inline(always)]
-unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
+unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: u8>(
     block: *const u8,
     lane: usize,
     j: usize,
@@ -515,8 +581,8 @@ unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: boo
         }
         let byte = *block.add((g % 4) * 64 + lane * 4 + k);
         let low = if g < 4 { byte & 0x0F } else { byte >> 4 };
-        if TABLE {
-            return STORED[low as usize] as i32;
+        if TABLE != NO_TABLE {
+            return stored_table(TABLE)[low as usize] as i32;
         }
         let fifth = match FIFTH {
             true => ((*block.add(256 + lane * 4 + k) >> g) & 1) << 4,
@@ -530,7 +596,7 @@ unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: boo
 ///
 /// # Safety
 /// As [`tile`]'s callers promise.
-unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool, const T: usize>(
+unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: u8, const T: usize>(
     data: *const u8,
     blocks: usize,
     tokens: [Token; T],
@@ -610,8 +676,8 @@ pub(super) fn assert_group_bits(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{group_block_bytes, quad, scales_at, Token, GROUP};
+    use super::{stored_table, NO_TABLE};
     use crate::cpu::quant::int8::ACT_BLOCK;
-    use crate::cpu::quant::iq4::STORED as IQ4_STORED;
     use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
@@ -621,7 +687,7 @@ mod x86 {
         const NIBBLES: bool,
         const FIFTH: bool,
         const MINS: bool,
-        const TABLE: bool,
+        const TABLE: u8,
         const T: usize,
     >(
         data: *const u8,
@@ -631,7 +697,7 @@ mod x86 {
     ) {
         let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
         let scales_at = scales_at(NIBBLES, FIFTH);
-        let table = iq4_table();
+        let table = table_vector::<TABLE>();
         let mut main = [_mm512_setzero_ps(); T];
         let mut mins = [_mm512_setzero_ps(); T];
         for b in 0..blocks {
@@ -681,23 +747,23 @@ mod x86 {
         }
     }
 
-    /// IQ4_NL's stored values in every 128-bit lane, for [`nibble_chunk`].
+    /// Table `TABLE`'s stored values in every 128-bit lane, for [`nibble_chunk`].
     #[inline(always)]
-    pub(super) unsafe fn iq4_table() -> __m512i {
+    pub(super) unsafe fn table_vector<const TABLE: u8>() -> __m512i {
         // SAFETY: the table is 16 bytes; AVX-512 F is enabled where this inlines.
-        unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i)) }
+        unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(stored_table(TABLE).as_ptr() as *const __m128i)) }
     }
 
     /// The stored weights of chunk `chunk` (0..4) of a nibble format's group block, one byte
     /// each, four of every row's in each i32 lane: `[low, high]`, the weights `4·chunk + k` and
-    /// `16 + 4·chunk + k` (`k` < 4). Q5's fifth bits are set in, and IQ4_NL's nibbles looked up
-    /// in `table` ([`iq4_table`]).
+    /// `16 + 4·chunk + k` (`k` < 4). Q5's fifth bits are set in, and IQ4_NL's and MXFP4's
+    /// nibbles looked up in `table` ([`table_vector`]).
     ///
     /// # Safety
     /// `block` holds a group's block of this layout; AVX-512 F/BW are enabled where this
     /// inlines.
     #[inline(always)]
-    pub(super) unsafe fn nibble_chunk<const FIFTH: bool, const TABLE: bool>(
+    pub(super) unsafe fn nibble_chunk<const FIFTH: bool, const TABLE: u8>(
         block: *const u8,
         chunk: usize,
         table: __m512i,
@@ -713,7 +779,7 @@ mod x86 {
                 low = _mm512_or_si512(low, fifth_bit(fifth, chunk as i32));
                 high = _mm512_or_si512(high, fifth_bit(fifth, chunk as i32 + 4));
             }
-            if TABLE {
+            if TABLE != NO_TABLE {
                 low = _mm512_shuffle_epi8(table, low);
                 high = _mm512_shuffle_epi8(table, high);
             }
@@ -792,7 +858,7 @@ mod x86 {
         const NIBBLES: bool,
         const FIFTH: bool,
         const MINS: bool,
-        const TABLE: bool,
+        const TABLE: u8,
         const T: usize,
     >(
         data: *const u8,
@@ -811,7 +877,7 @@ mod x86 {
         const NIBBLES: bool,
         const FIFTH: bool,
         const MINS: bool,
-        const TABLE: bool,
+        const TABLE: u8,
         const T: usize,
     >(
         data: *const u8,
@@ -833,7 +899,7 @@ mod x86 {
         const NIBBLES: bool,
         const FIFTH: bool,
         const MINS: bool,
-        const TABLE: bool,
+        const TABLE: u8,
         const T: usize,
     >(
         data: *const u8,
@@ -848,7 +914,8 @@ mod x86 {
         let low4 = _mm256_set1_epi8(0x0F);
         let bit4 = _mm256_set1_epi8(0x10);
         // SAFETY: the table is 16 bytes.
-        let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i) });
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(stored_table(TABLE).as_ptr() as *const __m128i) });
         let mut main = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
         for b in 0..blocks {
@@ -856,8 +923,8 @@ mod x86 {
             unsafe {
                 let block = data.add(b * bytes);
                 let q0 = b * ACT_BLOCK;
-                // Looked-up IQ4 values are whole bytes, summed as Q8_0's are.
-                let starts = (NIBBLES && !TABLE) || D::ADDS_BIAS;
+                // Looked-up table values are whole bytes, summed as Q8_0's are.
+                let starts = (NIBBLES && TABLE == NO_TABLE) || D::ADDS_BIAS;
                 let mut isum: [__m256i; T] = std::array::from_fn(|t| match starts {
                     true => _mm256_set1_epi32(*tokens[t].bias_sum.add(b)),
                     false => _mm256_setzero_si256(),
@@ -883,14 +950,14 @@ mod x86 {
                             low = _mm256_or_si256(low, fifth_of(chunk as i32));
                             high = _mm256_or_si256(high, fifth_of(chunk as i32 + 4));
                         }
-                        if TABLE {
+                        if TABLE != NO_TABLE {
                             low = _mm256_shuffle_epi8(table, low);
                             high = _mm256_shuffle_epi8(table, high);
                         }
                         for t in 0..T {
                             let qa = _mm256_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
                             let qb = _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 + 4 * chunk));
-                            isum[t] = match TABLE {
+                            isum[t] = match TABLE != NO_TABLE {
                                 true => D::bytes(D::bytes(isum[t], low, qa), high, qb),
                                 false => D::small(D::small(isum[t], low, qa), high, qb),
                             };
@@ -935,18 +1002,20 @@ mod tests {
     use super::*;
     use crate::cpu::quant::int8::UnpackedRow;
 
-    const FORMATS: [GgmlType; 6] = [
+    const FORMATS: [GgmlType; 7] = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
         GgmlType::IQ4NL,
+        GgmlType::MXFP4,
     ];
 
     /// `rows` rows of `blocks` valid blocks: random quants (every byte value, so Q8_0 meets
     /// −128 and 127), finite scales and minimums that differ from block to block and row to
-    /// row (a lane mix-up changes the result).
+    /// row (a lane mix-up changes the result); MXFP4's exponents across those the layout
+    /// holds (104 to 143), and every 13th block zeros (codes ±0) under exponent 0.
     fn matrix(dtype: GgmlType, rows: usize, blocks: usize, seed: usize) -> Vec<u8> {
         let (_, bytes) = dtype.block_layout();
         let mut data: Vec<u8> = (0..rows * blocks * bytes)
@@ -954,6 +1023,14 @@ mod tests {
             .collect();
         let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
         for (i, b) in data.chunks_exact_mut(bytes).enumerate() {
+            if dtype == GgmlType::MXFP4 {
+                b[0] = 104 + ((i * 7 + seed) % 40) as u8;
+                if i % 13 == 0 {
+                    b[0] = 0;
+                    b[1..].iter_mut().for_each(|q| *q &= 0x88);
+                }
+                continue;
+            }
             b[0..2].copy_from_slice(&f16(0.004 * (1 + (i * 7 + seed) % 11) as f32));
             if matches!(dtype, GgmlType::Q4_1 | GgmlType::Q5_1) {
                 b[2..4].copy_from_slice(&f16(-0.03 * (1 + (i * 5) % 7) as f32));
@@ -1020,6 +1097,15 @@ mod tests {
             }
         }
         assert!(InterleavedRows::new(GgmlType::Q4K, &[0; 144], 144).is_none());
+        // MXFP4 scales beyond f16's exact powers of two, or nonzero codes under exponent 0.
+        for (e, code) in [(103, 0x21), (144, 0x21), (0, 0x01), (0, 0x10), (255, 0)] {
+            let mut block = [code; 17];
+            block[0] = e;
+            assert!(
+                InterleavedRows::new(GgmlType::MXFP4, &block, 17).is_none(),
+                "exponent {e}, codes {code:#x}"
+            );
+        }
         assert!(
             InterleavedRows::new(GgmlType::Q4_0, &[0; 20], 19).is_none(),
             "not whole blocks"

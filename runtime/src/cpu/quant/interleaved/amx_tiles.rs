@@ -19,7 +19,7 @@
 //! core, a 1536×576 Q4_1 matrix, 128 tokens) 0.40 ms against the AVX-512 kernel's 0.60–0.70,
 //! and at 16 tokens no faster once a step's other work counts, hence [`tiles::MIN_TOKENS`].
 
-use super::x86::{iq4_table, nibble_chunk};
+use super::x86::{nibble_chunk, table_vector};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
 use crate::cpu::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
 use crate::cpu::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
@@ -55,7 +55,7 @@ impl TiledActivations {
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`, as [`super::group_products`]) and returns how many tokens that is: 0 where the
 /// activations were not tiled ([`TiledActivations::new`]).
-pub(super) fn products<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
+pub(super) fn products<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: u8>(
     data: &[u8],
     acts: &Activations,
     out: &mut [f32],
@@ -96,7 +96,7 @@ struct Tables {
 /// # Safety
 /// As [`products`] checks and promises.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
+unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: u8>(
     data: *const u8,
     blocks: usize,
     bias: i8,
@@ -160,14 +160,14 @@ const CHUNK: usize = 16;
 /// `data` holds the group's blocks of `bytes` bytes, `chunk` among them, at most [`CHUNK`];
 /// `to` has room for [`CHUNK`] tiles, aligned to a line; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
+unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: u8>(
     data: *const u8,
     chunk: Range<usize>,
     bytes: usize,
     bias: i8,
     to: *mut u8,
 ) {
-    let (table, bias) = (iq4_table(), _mm512_set1_epi8(bias));
+    let (table, bias) = (table_vector::<TABLE>(), _mm512_set1_epi8(bias));
     for (i, b) in chunk.enumerate() {
         // SAFETY: block `b` lies in `data` (the caller); its tile in `to` (`i` < CHUNK).
         unsafe {
