@@ -13,15 +13,7 @@ pub const KVALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 
 
 /// The table's values + 128 (0..242): what an index stands for as the CPU kernels store it,
 /// unsigned for `vpdpbusd` (their sums start at −128·Σqx).
-pub const STORED: [u8; 16] = {
-    let mut stored = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        stored[i] = (KVALUES[i] as i32 + 128) as u8;
-        i += 1;
-    }
-    stored
-};
+pub const STORED: [u8; 16] = super::stored_table(&KVALUES);
 
 /// One 32-weight run's table values from its 16 bytes of indices.
 #[inline(always)]

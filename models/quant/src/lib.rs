@@ -362,6 +362,18 @@ fn dot_blocks<F: BlockFormat>(data: &[u8], x: &[f32]) -> f32 {
         .sum()
 }
 
+/// A 4-bit table's int8 values + 128, as the CPU's int8 kernels store what an index stands
+/// for (unsigned, for `vpdpbusd`).
+const fn stored_table(values: &[i8; 16]) -> [u8; 16] {
+    let mut stored = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        stored[i] = (values[i] as i32 + 128) as u8;
+        i += 1;
+    }
+    stored
+}
+
 /// Little-endian f16 at `offset` of a block, as f32.
 #[inline(always)]
 pub fn f16_at(block: &[u8], offset: usize) -> f32 {

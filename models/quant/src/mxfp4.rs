@@ -19,17 +19,9 @@ pub const BLOCK_ELEMS: usize = 32;
 /// 3, 4, 6 as integers.
 pub const KVALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-/// The doubled values + 128 (0..140): what a code stands for as the CPU's int8 kernels store
+/// The doubled values + 128 (116 to 140): what a code stands for as the CPU's int8 kernels store
 /// it, unsigned for `vpdpbusd` (as `iq4::STORED`).
-pub const STORED: [u8; 16] = {
-    let mut stored = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        stored[i] = (KVALUES[i] as i32 + 128) as u8;
-        i += 1;
-    }
-    stored
-};
+pub const STORED: [u8; 16] = super::stored_table(&KVALUES);
 
 /// Half the scale of exponent `e`: `2^(e − 128)` as ggml builds it from bits (subnormal for
 /// `e` below 2).
