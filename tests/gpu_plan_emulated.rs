@@ -2607,6 +2607,16 @@ fn fp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
     assert_eq!(made, [("f4_e2m1_b32", 7 * layers)].into());
 }
 
+/// The same for GGUF's MXFP4 blocks (the GPU check's MXFP4 decode rows:
+/// `mxfp4::quantize_matrix`), every projection of the 64-wide Llama, decoded as stored.
+#[test]
+fn mxfp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
+    let config = open("llama", ComputeDtype::Bf16).config;
+    let layers = config.layers;
+    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::MXFP4);
+    assert_eq!(made, [("mxfp4", 7 * layers)].into());
+}
+
 /// `config` lowered without weights, its projections in `blocks`, run on an H200 plan with its
 /// blocks made on the host from the bf16 values the device would fill
 /// (`quant::tensor::quantize_matrix`) and uploaded, the rest filled on the device, against
@@ -2628,7 +2638,7 @@ fn blocks_made_for_the_device_agree(
     let mut made = std::collections::BTreeMap::new();
     for node in lowered.nodes() {
         let ir::Op::Weight { name } = &node.op else { continue };
-        let Some(format) = quant::GgmlType::CHECKPOINT_BLOCKS
+        let Some(format) = quant::GgmlType::MADE_FROM_FLOATS
             .into_iter()
             .find(|&f| quant::tensor::ir_dtype(f) == node.dtype)
         else {

@@ -969,7 +969,10 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
     }
     let config = open("llama").config;
     let err = models::lower_without_weights_in_blocks(&config, options, Some(quant::GgmlType::Q4K));
-    assert!(err.unwrap_err().to_string().contains("FP8, 4-bit or FP4 blocks only"));
+    assert!(err
+        .unwrap_err()
+        .to_string()
+        .contains("FP8, 4-bit, FP4 or MXFP4 blocks only"));
     let eight_b = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,

@@ -155,7 +155,7 @@ pub(crate) fn make_weight<D: PlanDevice>(
                 dtype: tensor.dtype,
                 bytes: &tensor.bytes,
             };
-            let format = quant::GgmlType::CHECKPOINT_BLOCKS
+            let format = quant::GgmlType::MADE_FROM_FLOATS
                 .into_iter()
                 .find(|&f| quant::tensor::ir_dtype(f) == w.dtype);
             if let Some(bytes) = format.and_then(|f| quant::tensor::quantize_matrix(&view, f)) {

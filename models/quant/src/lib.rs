@@ -223,6 +223,10 @@ impl GgmlType {
     /// computes in.
     pub const CHECKPOINT_BLOCKS: [Self; 4] = [Self::F8E4M3B32, Self::U4B32, Self::U4B128, Self::F4E2M1B32];
 
+    /// The block formats bbc makes from floats (`tensor::quantize_matrix`) where no file gave
+    /// them: its checkpoint blocks, and GGUF's MXFP4 (random weights timed in it).
+    pub const MADE_FROM_FLOATS: [Self; 5] = [Self::F8E4M3B32, Self::U4B32, Self::U4B128, Self::F4E2M1B32, Self::MXFP4];
+
     /// Whether this is one of [`Self::CHECKPOINT_BLOCKS`].
     pub fn is_checkpoint_blocks(self) -> bool {
         Self::CHECKPOINT_BLOCKS.contains(&self)

@@ -74,9 +74,103 @@ pub fn to_fp4_blocks(data: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// 32 weights as ggml's reference quantizer makes an MXFP4 block of them
+/// (`quantize_row_mxfp4_ref`): the exponent `⌊log₂ amax⌋ − 2 + 127` (0 for a block of zeros;
+/// here `⌊log₂⌋` from the float's bits, exact where `log2f` may round up just below a power
+/// of two, and clamped to 0..=254), each code the first of the 16 whose doubled value times
+/// the half scale is nearest the weight.
+pub fn quantize_block(x: &[f32]) -> [u8; BLOCK_BYTES] {
+    debug_assert_eq!(x.len(), BLOCK_ELEMS);
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let e = match amax > 0.0 && amax.is_finite() {
+        true => (floor_log2(amax) - 2 + 127).clamp(0, 254) as u8,
+        false => 0,
+    };
+    let d = half_scale(e);
+    let code = |v: f32| {
+        let mut best = 0;
+        for (i, &k) in KVALUES.iter().enumerate() {
+            if (f32::from(k) * d - v).abs() < (f32::from(KVALUES[best]) * d - v).abs() {
+                best = i;
+            }
+        }
+        best as u8
+    };
+    let mut out = [0u8; BLOCK_BYTES];
+    out[0] = e;
+    for j in 0..16 {
+        out[1 + j] = code(x[j]) | (code(x[j + 16]) << 4);
+    }
+    out
+}
+
+/// `⌊log₂ v⌋` of a positive finite f32, from its bits.
+fn floor_log2(v: f32) -> i32 {
+    let bits = v.to_bits();
+    match bits >> 23 {
+        // Subnormal: the mantissa's leading bit sets it.
+        0 => -127 - (bits.leading_zeros() as i32 - 9),
+        exponent => exponent as i32 - 127,
+    }
+}
+
+/// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of 32) as
+/// MXFP4 blocks ([`quantize_block`]), row by row on the pool.
+pub fn quantize_matrix(view: &crate::tensor::TensorView<'_>) -> Vec<u8> {
+    crate::tensor::quantize_blocks_of_32(view, quantize_block)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `⌊log₂⌋` from bits, normal and subnormal, against f64's.
+    #[test]
+    fn floor_log2_is_exact() {
+        for v in [
+            1.0f32,
+            1.5,
+            0.999_999_94,
+            3.999_999_8,
+            4.0,
+            0.25,
+            0.249_999_99,
+            1e-40,
+            f32::from_bits(1),
+            3e38,
+        ] {
+            assert_eq!(floor_log2(v), f64::from(v).log2().floor() as i32, "{v:e}");
+        }
+    }
+
+    /// Blocks quantized: every weight's code the nearest of the 16 under the block's scale,
+    /// the largest weight within the top code's reach, zeros a block of exponent 0.
+    #[test]
+    fn quantized_blocks_hold_the_nearest_codes() {
+        for b in 0..200usize {
+            let x: [f32; 32] = std::array::from_fn(|i| {
+                let v = (((b * 32 + i) * 2654435761usize) >> 7) % 2001;
+                (v as f32 - 1000.0) * 1e-3 * 2f32.powi(b as i32 % 40 - 20)
+            });
+            let block = quantize_block(&x);
+            let mut got = [0f32; 32];
+            crate::GgmlType::MXFP4.dequantize(&block, &mut got);
+            let d = half_scale(block[0]);
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                amax < 16.0 * d && amax >= 8.0 * d,
+                "block {b}: amax {amax}, half scale {d}"
+            );
+            for (e, (&g, &w)) in got.iter().zip(&x).enumerate() {
+                let nearest = KVALUES
+                    .iter()
+                    .map(|&k| (f32::from(k) * d - w).abs())
+                    .fold(f32::INFINITY, f32::min);
+                assert_eq!((g - w).abs(), nearest, "block {b} element {e}");
+            }
+        }
+        assert_eq!(quantize_block(&[0.0; 32]), [0; 17]);
+    }
 
     /// Every exponent's half scale is 2^(e − 128), the power computed in f64.
     #[test]
@@ -85,6 +179,20 @@ mod tests {
             let want = 2f64.powi(i32::from(e) - 128) as f32;
             assert_eq!(half_scale(e).to_bits(), want.to_bits(), "exponent {e}");
         }
+    }
+
+    /// gguf-py's quantizer (its port of ggml's) on real weights gives the same blocks.
+    #[test]
+    fn quantizes_as_gguf_py_does() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf-blocks");
+        let source: Vec<f32> = std::fs::read(dir.join("MXFP4.source.f32"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let want = std::fs::read(dir.join("MXFP4.bin")).unwrap();
+        let got: Vec<u8> = source.chunks_exact(BLOCK_ELEMS).flat_map(quantize_block).collect();
+        assert_eq!(got, want);
     }
 
     /// The doubled table is E2M1's values times two.

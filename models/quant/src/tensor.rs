@@ -100,13 +100,14 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
 }
 
 /// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of the
-/// block) quantized into `format`, one of bbc's checkpoint block formats, as floats are made
-/// such blocks where no checkpoint gave them (each format's `quantize_matrix`); `None` for any
-/// other format.
+/// block) quantized into `format`, one of [`GgmlType::MADE_FROM_FLOATS`], as floats are made
+/// such blocks where no file gave them (each format's `quantize_matrix`); `None` for any other
+/// format.
 pub fn quantize_matrix(view: &TensorView<'_>, format: GgmlType) -> Option<Vec<u8>> {
     Some(match format {
         GgmlType::F8E4M3B32 => crate::fp8_blocks::quantize_matrix(view),
         GgmlType::F4E2M1B32 => crate::fp4_blocks::quantize_matrix(view),
+        GgmlType::MXFP4 => crate::mxfp4::quantize_matrix(view),
         GgmlType::U4B32 | GgmlType::U4B128 => {
             let size = crate::u4_blocks::Size::of(format).expect("a 4-bit block format");
             crate::u4_blocks::quantize_matrix(view, size)

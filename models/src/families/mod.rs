@@ -200,19 +200,19 @@ pub fn lower_without_weights_quantized(
 }
 
 /// [`lower_without_weights`] with the weights a checkpoint quantized as it loads would
-/// quantize (`fp8_on_load::quantizes`) held as `blocks` (FP8 blocks, the 4-bit blocks a
-/// GPTQ, AWQ or compressed-tensors checkpoint's 4-bit weights are held as, or the FP4 blocks
-/// an NVFP4 checkpoint's are): for timing a quantized model's shape with weights made where it
-/// runs.
+/// quantize (`fp8_on_load::quantizes`) held as `blocks` whatever the compute dtype (FP8
+/// blocks, the 4-bit blocks a GPTQ, AWQ or compressed-tensors checkpoint's 4-bit weights are
+/// held as, the FP4 blocks an NVFP4 checkpoint's are, or GGUF's MXFP4): for timing a quantized
+/// model's shape with weights made where it runs.
 pub fn lower_without_weights_in_blocks(
     config: &ModelConfig,
     options: LowerOptions,
     blocks: Option<GgmlType>,
 ) -> Result<Graph> {
-    if let Some(other) = blocks.filter(|b| !b.is_checkpoint_blocks()) {
+    if let Some(other) = blocks.filter(|b| !GgmlType::MADE_FROM_FLOATS.contains(b)) {
         return Err(ModelError::Quantization {
             asked: other.name().to_string(),
-            what: "a model without weights is held in FP8, 4-bit or FP4 blocks only".into(),
+            what: "a model without weights is held in FP8, 4-bit, FP4 or MXFP4 blocks only".into(),
         });
     }
     build(config, Catalog::Implied { blocks }, options)
@@ -586,7 +586,11 @@ impl<'w> Builder<'w> {
     /// as it loads, or an FP8 or integer checkpoint not read into another type).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;
-        let dtype = matrix_dtype(self.options.compute, storage);
+        let dtype = match self.weights {
+            // Implied blocks are what the weights are made as: kept whatever the compute dtype.
+            Catalog::Implied { blocks: Some(blocks) } if storage == blocks => ir_dtype(storage),
+            _ => matrix_dtype(self.options.compute, storage),
+        };
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
 
