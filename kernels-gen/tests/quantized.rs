@@ -442,6 +442,14 @@ fn half_weights_convert_on_the_device_as_the_host_rounds() {
     }
 }
 
+/// The DSL's 4-bit tables (what `UnOp::Iq4Value` and `UnOp::Mxfp4Value` stand for, on the
+/// emulator and in the CUDA helpers) are the `quant` crate's, which the host decodes with.
+#[test]
+fn the_dsl_tables_are_the_hosts() {
+    assert_eq!(kernels_gen::dsl::IQ4_VALUES, models::quant::iq4::KVALUES);
+    assert_eq!(kernels_gen::dsl::MXFP4_VALUES, models::quant::mxfp4::KVALUES);
+}
+
 #[test]
 fn only_stored_formats_have_conversions() {
     for from in [DType::F32, DType::I32, DType::F8E4M3] {

@@ -1,10 +1,10 @@
 //! Rows of a 32-weight block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) regrouped for
 //! matmuls, as llama.cpp's repacked CPU kernels do: [`GROUP`] rows interleaved so that one
-//! 512-bit register holds four neighbouring weights of each of sixteen rows. A `vpdpbusd` against four
-//! activation bytes broadcast to every lane then advances sixteen rows' dots at once, and each
-//! lane ends a block holding its row's exact integer sum: the float work (a scale product and
-//! an FMA) is paid once per block for sixteen rows, where a row-at-a-time kernel pays it per
-//! row and lane.
+//! 512-bit register holds four neighbouring weights of each of sixteen rows. A `vpdpbusd`
+//! against four activation bytes broadcast to every lane then advances sixteen rows' dots at
+//! once, and each lane ends a block holding its row's exact integer sum: the float work (a
+//! scale product and an FMA) is paid once per block for sixteen rows, where a row-at-a-time
+//! kernel pays it per row and lane.
 //!
 //! The arithmetic, per (row, token) and block `b` in order (ggml's `vec_dot_*_q8` scheme):
 //! `isum = Σ w·qx` exactly in integers (`w` the format's integer weight, `d·w` or `d·w + m`
