@@ -77,33 +77,16 @@ impl Storage {
     /// `quant::mxfp4::to_fp4_blocks`), or widened to f32 where a block's scale is none (an
     /// exponent of 255).
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
-        if dtype == GgmlType::MXFP4 {
-            if row_bytes == 0
-                || !row_bytes.is_multiple_of(quant::mxfp4::BLOCK_BYTES)
-                || !bytes.len().is_multiple_of(row_bytes)
-            {
-                return Err(format!("MXFP4 rows of {row_bytes} bytes are not whole blocks"));
-            }
-            if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
-                return Ok(Storage::Interleaved(rows));
-            }
-            return Ok(match quant::mxfp4::to_fp4_blocks(&bytes) {
-                Some(blocks) => Storage::Fp4Blocks(blocks),
-                None => {
-                    let mut values = vec![0f32; bytes.len() / quant::mxfp4::BLOCK_BYTES * quant::mxfp4::BLOCK_ELEMS];
-                    dtype.dequantize(&bytes, &mut values);
-                    Storage::F32(values)
-                }
-            });
+        let (_, block_bytes) = dtype.block_layout();
+        let whole_blocks =
+            row_bytes != 0 && row_bytes.is_multiple_of(block_bytes) && bytes.len().is_multiple_of(row_bytes);
+        if (dtype.is_checkpoint_blocks() || dtype == GgmlType::MXFP4) && !whole_blocks {
+            return Err(format!(
+                "{} rows of {row_bytes} bytes are not whole blocks",
+                dtype.name()
+            ));
         }
         if dtype.is_checkpoint_blocks() {
-            let (_, block_bytes) = dtype.block_layout();
-            if row_bytes == 0 || !row_bytes.is_multiple_of(block_bytes) || !bytes.len().is_multiple_of(row_bytes) {
-                return Err(format!(
-                    "{} rows of {row_bytes} bytes are not whole blocks",
-                    dtype.name()
-                ));
-            }
             return Ok(match u4_blocks::Size::of(dtype) {
                 Some(size) => Storage::U4Blocks(size, bytes),
                 None if dtype == GgmlType::F4E2M1B32 => Storage::Fp4Blocks(bytes),
@@ -112,6 +95,16 @@ impl Storage {
         }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::Interleaved(rows));
+        }
+        if dtype == GgmlType::MXFP4 {
+            return Ok(match quant::mxfp4::to_fp4_blocks(&bytes) {
+                Some(blocks) => Storage::Fp4Blocks(blocks),
+                None => {
+                    let mut values = vec![0f32; bytes.len() / block_bytes * quant::mxfp4::BLOCK_ELEMS];
+                    dtype.dequantize(&bytes, &mut values);
+                    Storage::F32(values)
+                }
+            });
         }
         if let Some(rows) = InterleavedSuperRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::InterleavedSuper(rows));
