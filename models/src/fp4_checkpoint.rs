@@ -18,7 +18,6 @@
 //! activations stay floats.
 
 use crate::quant::GgmlType;
-use half::{bf16, f16};
 use ir::F8E4M3;
 use quant::fp4_blocks;
 use rayon::prelude::*;
@@ -232,14 +231,12 @@ impl Fp4Weight {
     /// The weight's bytes as `dtype` (f32, bf16 or f16): each code's value times its group's
     /// scale in f32, the product rounded to `dtype` (`global` as for [`Self::blocks`]).
     pub fn dequantize(&self, codes: &[u8], scales: &[u8], global: f32, dtype: GgmlType) -> Vec<u8> {
-        let size = match dtype {
-            GgmlType::F32 => 4,
-            GgmlType::BF16 | GgmlType::F16 => 2,
-            other => panic!(
+        let size = quant::tensor::float_bytes(dtype).unwrap_or_else(|| {
+            panic!(
                 "NVFP4 weights are dequantized to f32, bf16 or f16, not {}",
-                other.name()
-            ),
-        };
+                dtype.name()
+            )
+        });
         let mut out = vec![0u8; self.rows * self.cols * size];
         out.par_chunks_mut(self.cols * size).enumerate().for_each_init(
             || self.scratch(),
@@ -248,11 +245,7 @@ impl Fp4Weight {
                 let (row_codes, row_scales) = row;
                 for (c, out) in out.chunks_exact_mut(size).enumerate() {
                     let value = fp4_blocks::CODE_VALUES[usize::from(row_codes[c])] * row_scales[c / 16];
-                    match dtype {
-                        GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
-                        GgmlType::BF16 => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
-                        _ => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
-                    }
+                    quant::tensor::write_float(value, dtype, out);
                 }
             },
         );
@@ -263,6 +256,7 @@ impl Fp4Weight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
     use proptest::prelude::*;
     use serde_json::json;
 

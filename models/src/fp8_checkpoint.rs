@@ -11,7 +11,6 @@
 //! bf16 or f16 rounds each product once to that type ([`dequantize`]).
 
 use crate::quant::GgmlType;
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// The methods whose weights are FP8 E4M3 codes with scales.
@@ -223,11 +222,8 @@ pub fn blocks_of_32(codes: &[u8], scales: &[f32], grid: &ScaleGrid) -> Vec<u8> {
 /// f32, the product rounded to `dtype`.
 pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlType) -> Vec<u8> {
     let widened = quant::fp8_blocks::code_values();
-    let size = match dtype {
-        GgmlType::F32 => 4,
-        GgmlType::BF16 | GgmlType::F16 => 2,
-        other => panic!("FP8 weights are read as f32, bf16 or f16, not {}", other.name()),
-    };
+    let size = quant::tensor::float_bytes(dtype)
+        .unwrap_or_else(|| panic!("FP8 weights are read as f32, bf16 or f16, not {}", dtype.name()));
     let mut out = vec![0u8; codes.len() * size];
     out.par_chunks_mut(size * grid.cols)
         .zip(codes.par_chunks(grid.cols))
@@ -236,11 +232,7 @@ pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlTyp
             let (matrix, row) = (at / grid.rows, at % grid.rows);
             for (col, (out, &code)) in out.chunks_exact_mut(size).zip(codes).enumerate() {
                 let value = widened[usize::from(code)] * scales[grid.scale_index(matrix, row, col)];
-                match dtype {
-                    GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
-                    GgmlType::F16 => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
-                    _ => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
-                }
+                quant::tensor::write_float(value, dtype, out);
             }
         });
     out
@@ -249,6 +241,7 @@ pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlTyp
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
     use ir::F8E4M3;
 
     fn grid(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<ScaleGrid, String> {

@@ -15,7 +15,6 @@
 //! the model is read into one.
 
 use crate::quant::GgmlType;
-use half::{bf16, f16};
 use ir::F8E4M3;
 use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
 use quant::u4_blocks;
@@ -538,14 +537,12 @@ impl PackedLayout {
     /// The weight's bytes as `dtype` (f32, bf16 or f16): each level less its zero point, times
     /// its scale in f32, the product rounded to `dtype`.
     pub fn dequantize(&self, parts: &PackedParts<'_>, dtype: GgmlType) -> Vec<u8> {
-        let size = match dtype {
-            GgmlType::F32 => 4,
-            GgmlType::BF16 | GgmlType::F16 => 2,
-            other => panic!(
+        let size = quant::tensor::float_bytes(dtype).unwrap_or_else(|| {
+            panic!(
                 "packed integer weights are read as f32, bf16 or f16, not {}",
-                other.name()
-            ),
-        };
+                dtype.name()
+            )
+        });
         let mut out = vec![0u8; self.matrices * self.rows * self.cols * size];
         out.par_chunks_mut(self.cols * size).enumerate().for_each_init(
             || self.scratch(),
@@ -554,11 +551,7 @@ impl PackedLayout {
                 for (col, (out, &level)) in out.chunks_exact_mut(size).zip(&row.levels).enumerate() {
                     let group = self.group(col);
                     let value = (level - row.zeros[group]) as f32 * row.scales[group];
-                    match dtype {
-                        GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
-                        GgmlType::F16 => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
-                        _ => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
-                    }
+                    quant::tensor::write_float(value, dtype, out);
                 }
             },
         );

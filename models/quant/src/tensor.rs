@@ -99,6 +99,26 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
     }
 }
 
+/// Bytes of an element of `dtype` where it is a float type a checkpoint's quantized weights
+/// are read into (f32, bf16, f16); `None` for any other.
+pub fn float_bytes(dtype: GgmlType) -> Option<usize> {
+    match dtype {
+        GgmlType::F32 => Some(4),
+        GgmlType::BF16 | GgmlType::F16 => Some(2),
+        _ => None,
+    }
+}
+
+/// `value` rounded to `dtype` (f32, bf16 or f16: see [`float_bytes`]) into `out`, its bytes.
+pub fn write_float(value: f32, dtype: GgmlType, out: &mut [u8]) {
+    match dtype {
+        GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
+        GgmlType::BF16 => out.copy_from_slice(&half::bf16::from_f32(value).to_le_bytes()),
+        GgmlType::F16 => out.copy_from_slice(&half::f16::from_f32(value).to_le_bytes()),
+        other => panic!("{} is not a float type weights are read into", other.name()),
+    }
+}
+
 /// The float matrix `view` (f32, bf16 or f16, `[rows, cols]`, `cols` a multiple of the
 /// block) quantized into `format`, one of [`GgmlType::MADE_FROM_FLOATS`], as floats are made
 /// such blocks where no file gave them (each format's `quantize_matrix`); `None` for any other
