@@ -50,15 +50,16 @@ fn check_cpu_backend_of(model: &Model, family: &str, label: &str) {
 
 /// The CPU backend running `model`, lowered and fused, against `reference`.
 fn check_cpu_backend_against(model: &Model, reference: &Reference, label: &str) {
+    check_cpu_backend_within(model, reference, 1e-4, label);
+}
+
+/// [`check_cpu_backend_against`] within `tolerance` (relative to the largest logit).
+fn check_cpu_backend_within(model: &Model, reference: &Reference, tolerance: f32, label: &str) {
     let lowered = model.lower(LogitsFor::AllTokens).unwrap();
     let fused = passes::optimized(&lowered, passes::CostModel::CPU).unwrap();
     assert!(fused.op_count() < lowered.op_count(), "{label}: nothing fused");
-    check_cpu_graph(model, lowered, reference, label);
-    check_cpu_graph(model, fused, reference, &format!("{label} fused"));
-}
-
-fn check_cpu_graph(model: &Model, graph: ir::Graph, reference: &Reference, label: &str) {
-    check_cpu_graph_within(model, graph, reference, 1e-4, label);
+    check_cpu_graph_within(model, lowered, reference, tolerance, label);
+    check_cpu_graph_within(model, fused, reference, tolerance, &format!("{label} fused"));
 }
 
 /// The CPU backend's logits within `tolerance` (relative to the largest) of `reference` at
@@ -1319,27 +1320,40 @@ fn fp8_checkpoints_match_hf() {
 /// projection of 48 columns): logits at every prompt row and cached step, and greedy ids,
 /// through the interpreter and the CPU backend. compressed-tensors' references are
 /// transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
+///
+/// Held in 4-bit blocks, the CPU backend multiplies them as the Q4_0 or Q5_0 blocks of the
+/// same weights on its int8 kernels (as llama.cpp runs 4-bit GGUFs, and vLLM's CPU backend
+/// GPTQ and AWQ): int8 activations move the Llamas' logits by up to 1.7% of the largest
+/// (checked within 3e-2), and the tiny Qwen3-Next's, whose logits Q8_0 weights alone move by
+/// 37%, by up to 14.7% (checked within 0.2); every greedy id is HF's.
 #[test]
 fn integer_checkpoints_match_hf() {
     use quant::GgmlType::{F32, F8E4M3B32, U4B128, U4B32};
     let down = "model.layers.1.mlp.down_proj.weight";
-    for (name, method, weight, held) in [
-        ("llama_w4a16", "compressed-tensors", down, F8E4M3B32),
-        ("llama_w4a16_asym", "compressed-tensors", down, U4B32),
-        ("llama_w8a16", "compressed-tensors", down, F32),
-        ("llama_w8a16_int", "compressed-tensors", down, F32),
-        ("llama_gptq", "gptq", down, U4B32),
-        ("llama_gptq_act_order", "gptq", down, F32),
-        ("llama_gptq_g128", "gptq", "model.layers.1.mlp.up_proj.weight", U4B128),
-        ("llama_awq", "awq", down, U4B32),
+    for (name, method, weight, held, native_cpu) in [
+        ("llama_w4a16", "compressed-tensors", down, F8E4M3B32, 1e-4),
+        ("llama_w4a16_asym", "compressed-tensors", down, U4B32, 3e-2),
+        ("llama_w8a16", "compressed-tensors", down, F32, 1e-4),
+        ("llama_w8a16_int", "compressed-tensors", down, F32, 1e-4),
+        ("llama_gptq", "gptq", down, U4B32, 3e-2),
+        ("llama_gptq_act_order", "gptq", down, F32, 1e-4),
+        (
+            "llama_gptq_g128",
+            "gptq",
+            "model.layers.1.mlp.up_proj.weight",
+            U4B128,
+            3e-2,
+        ),
+        ("llama_awq", "awq", down, U4B32, 3e-2),
         (
             "qwen3_next_w4a16",
             "compressed-tensors",
             "model.layers.1.mlp.experts.0.down_proj.weight",
             U4B32,
+            0.2,
         ),
     ] {
-        check_quantized_checkpoint(name, method, weight, held);
+        check_quantized_checkpoint(name, method, weight, held, native_cpu);
     }
     let shared_down = "model.layers.1.mlp.shared_expert.down_proj.weight";
     let native = Model::open(ModelSpec {
@@ -1398,7 +1412,7 @@ fn fp4_checkpoints_match_hf() {
             "model.layers.1.mlp.down_proj.weight",
         ),
     ] {
-        check_quantized_checkpoint(name, method, weight, F4E2M1B32);
+        check_quantized_checkpoint(name, method, weight, F4E2M1B32, 1e-4);
     }
     let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/qwen3_next_nvfp4"));
     spec.dtype = ComputeDtype::Native;
@@ -1410,7 +1424,10 @@ fn fp4_checkpoints_match_hf() {
 
 /// The quantized checkpoint `name` matches its reference read into f32 (interpreter, CPU
 /// backend) and held as stored (its method `method`, `weight` held as `held`).
-fn check_quantized_checkpoint(name: &str, method: &str, weight: &str, held: quant::GgmlType) {
+/// `name`'s checkpoint through the interpreter and the CPU backend in f32 and as stored
+/// (`held`, the type of `weight`, read for `method`): every check within 1e-4 of HF's logits
+/// but the CPU backend's as stored, within `native_cpu`.
+fn check_quantized_checkpoint(name: &str, method: &str, weight: &str, held: quant::GgmlType, native_cpu: f32) {
     check_reference_interpreter(name);
     check_cpu_backend(name);
     let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
@@ -1419,7 +1436,7 @@ fn check_quantized_checkpoint(name: &str, method: &str, weight: &str, held: quan
     assert_eq!(native.weights.quantization(), Some(method), "{name}");
     assert_eq!(native.weights.require(weight).unwrap().dtype, held, "{name}");
     check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
-    check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
+    check_cpu_backend_within(&native, &Reference::of(name), native_cpu, &format!("{name} as stored"));
 }
 
 /// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)

@@ -17,7 +17,7 @@ pub mod q3_k;
 pub mod q4_0;
 mod q4_1;
 pub mod q4_k;
-mod q5_0;
+pub mod q5_0;
 mod q5_1;
 mod q5_k;
 mod q6_k;

@@ -153,6 +153,61 @@ pub fn exact(scale: f32) -> bool {
     scale.is_finite() && scale.to_bits() & 0xF == 0 && (scale * 16.0).is_finite()
 }
 
+/// A block's scale as an f16 and its zero point `z` (its weights `(q − z) · scale`, `z` from 0
+/// to 16), where both are exact: `None` where the scale is not an f16 (an f32 checkpoint's,
+/// say) or the offset is not an integer multiple of it. A block whose scale and offset are
+/// both zero says 8 (every weight 0 whatever its zero point).
+fn f16_zero_point(block: &[u8]) -> Option<(half::f16, u8)> {
+    let (scale, offset) = scale_offset(block);
+    let d = half::f16::from_f32(scale);
+    if d.to_f32() != scale {
+        return None;
+    }
+    if scale == 0.0 {
+        return (offset == 0.0).then_some((d, 8));
+    }
+    let zero = -offset / scale;
+    let exact_zero = zero.fract() == 0.0 && (0.0..=16.0).contains(&zero) && -zero * scale == offset;
+    exact_zero.then_some((d, zero as u8))
+}
+
+/// 4-bit blocks of `size` as GGUF blocks of 32 that hold exactly the same weights, so that the
+/// CPU's int8 kernels can take them: Q4_0 (`(q − 8) · d`, 4.5 bits a weight) where every
+/// block's zero point is 8 (symmetric GPTQ's and compressed-tensors'), else Q5_0
+/// (`(u − 16) · d` with `u = q − z + 16`, 5.5 bits, any zero point up to 16: AWQ's and
+/// asymmetric GPTQ's); `None` where a block's scale is no f16 or its offset is no integer
+/// multiple of it ([`f16_zero_point`]). Each block of 128 becomes four under its scale.
+pub fn to_gguf_blocks(bytes: &[u8], size: Size) -> Option<(GgmlType, Vec<u8>)> {
+    let points = bytes
+        .chunks_exact(size.bytes())
+        .map(f16_zero_point)
+        .collect::<Option<Vec<_>>>()?;
+    let format = match points.iter().all(|&(_, zero)| zero == 8) {
+        true => GgmlType::Q4_0,
+        false => GgmlType::Q5_0,
+    };
+    let (_, gguf_bytes) = format.block_layout();
+    let runs = size.elems() / RUN_ELEMS;
+    let mut out = vec![0u8; points.len() * runs * gguf_bytes];
+    let gguf_blocks = out.chunks_exact_mut(gguf_bytes);
+    let runs_of = bytes
+        .chunks_exact(size.bytes())
+        .zip(&points)
+        .flat_map(|(block, &point)| {
+            (0..runs).map(move |run| (&block[LEVELS_AT + run * RUN_BYTES..][..RUN_BYTES], point))
+        });
+    for (gguf, (levels, (d, zero))) in gguf_blocks.zip(runs_of) {
+        match format {
+            GgmlType::Q4_0 => {
+                gguf[..2].copy_from_slice(&d.to_le_bytes());
+                gguf[2..].copy_from_slice(levels);
+            }
+            _ => crate::q5_0::write_levels_block(d, levels, zero, gguf),
+        }
+    }
+    Some((format, out))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,5 +317,67 @@ mod tests {
             assert_eq!(Size::of(size.format()), Some(size));
             assert_eq!(size.format().block_layout(), (size.elems(), size.bytes()));
         }
+    }
+
+    /// Blocks of every zero point over f16 and bf16 scales (and zero blocks), of either size,
+    /// as GGUF blocks: Q4_0 where every zero point is 8, else Q5_0, each weight the same number
+    /// as the 4-bit block's; every level, and zero points 0 and 16, appear.
+    #[test]
+    fn blocks_with_f16_scales_are_the_same_weights_as_gguf_blocks() {
+        let scales = [0.013_671_875f32, half::f16::from_f32(3.0e-5).to_f32(), -0.25, 1.5, 0.0];
+        for size in SIZES {
+            let make = |zero_of: &dyn Fn(usize) -> u8| {
+                let mut bytes = Vec::new();
+                for (b, &scale) in scales.iter().cycle().take(3 * scales.len()).enumerate() {
+                    let levels: Vec<u8> = (0..size.elems()).map(|e| ((e * 7 + b * 3) % 16) as u8).collect();
+                    let zero = if scale == 0.0 { 0 } else { zero_of(b) };
+                    bytes.extend(block(scale, -f32::from(zero) * scale, &levels));
+                }
+                bytes
+            };
+            for (bytes, want) in [
+                (make(&|_| 8), GgmlType::Q4_0),
+                (make(&|b| (b * 5 % 17) as u8), GgmlType::Q5_0),
+                (make(&|b| if b == 3 { 16 } else { 8 }), GgmlType::Q5_0),
+            ] {
+                let (format, gguf) = to_gguf_blocks(&bytes, size).expect("f16 scales, integer zero points");
+                assert_eq!(format, want, "{size:?}");
+                let elems = bytes.len() / size.bytes() * size.elems();
+                assert_eq!(Some(gguf.len()), format.bytes_for(elems));
+                let (mut got, mut held) = (vec![0f32; elems], vec![0f32; elems]);
+                format.dequantize(&gguf, &mut got);
+                size.format().dequantize(&bytes, &mut held);
+                for (e, (g, h)) in got.iter().zip(&held).enumerate() {
+                    assert_eq!(g, h, "{size:?} as {}: element {e}", format.name());
+                }
+            }
+        }
+    }
+
+    /// Blocks the GGUF formats cannot hold exactly stay as they are: a scale that is no f16
+    /// (too precise, or too small), an offset that is no whole multiple of the scale or past
+    /// 16 of them, an offset under a zero scale. One such block is enough.
+    #[test]
+    fn blocks_without_an_exact_f16_form_are_refused() {
+        let levels = [3u8; 32];
+        let good = block(0.5, -3.0, &levels);
+        for (scale, offset) in [
+            (0.1f32, -0.8f32),
+            (f32::from_bits(0x30), 0.0),
+            (0.5, -1.25),
+            (0.5, 0.5),
+            (0.5, -8.5),
+            (0.0, 1.0),
+            (f32::NAN, 0.0),
+        ] {
+            let mut bytes = good.clone();
+            bytes.extend(block(scale, offset, &levels));
+            assert_eq!(
+                to_gguf_blocks(&bytes, Size::Of32),
+                None,
+                "scale {scale}, offset {offset}"
+            );
+        }
+        assert_eq!(to_gguf_blocks(&good, Size::Of32).map(|(f, _)| f), Some(GgmlType::Q5_0));
     }
 }

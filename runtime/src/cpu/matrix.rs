@@ -2,7 +2,9 @@
 //!
 //! A matrix keeps the storage its graph node asks for: f32, bf16, half, a GGML block format,
 //! FP8 blocks (widened by the dense tiles as they load them for steps of few tokens, else a
-//! few rows at a time for them, `fp8_rows`) or 4-bit blocks (widened by the tiles).
+//! few rows at a time for them, `fp8_rows`) or 4-bit blocks (an integer checkpoint's: held as
+//! GGUF's Q4_0 or Q5_0 for the integer path where those hold the same weights, else widened by
+//! the tiles).
 //! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
 //! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
 //! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
@@ -18,7 +20,7 @@ use super::dense::{self, DenseKernel, DenseRows};
 use super::fp8_rows;
 use super::pool;
 use super::simd;
-use crate::cpu::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
+use crate::cpu::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row, ACT_BLOCK};
 use crate::cpu::quant::interleaved::{InterleavedRows, GROUP};
 use crate::cpu::quant::interleaved_k::InterleavedSuperRows;
 use half::bf16;
@@ -70,8 +72,11 @@ impl Fp8Blocks {
 
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
-    /// reads has a layout; rows of no whole number of blocks are refused); FP8, 4-bit and FP4
-    /// blocks as they are. MXFP4 rows are interleaved where every block's scale is exact in
+    /// reads has a layout; rows of no whole number of blocks are refused); FP8 and FP4 blocks as
+    /// they are. 4-bit blocks are interleaved as the Q4_0 or Q5_0 blocks of the same weights
+    /// where every block's scale is an f16 and its zero point an integer (GPTQ's, AWQ's and
+    /// compressed-tensors' scales are f16 or bf16: `quant::u4_blocks::to_gguf_blocks`), else
+    /// held as they are. MXFP4 rows are interleaved where every block's scale is exact in
     /// the layout's f16 (half of it, 2^(e − 128), from 2⁻²⁴ to 2¹⁵: real weights'), else held
     /// as FP4 blocks (the same weights, each block's power of two as an f32:
     /// `quant::mxfp4::to_fp4_blocks`), or widened to f32 where a block's scale is none (an
@@ -86,11 +91,20 @@ impl Storage {
                 dtype.name()
             ));
         }
+        if let Some(size) = u4_blocks::Size::of(dtype) {
+            let interleaved = u4_blocks::to_gguf_blocks(&bytes, size).and_then(|(gguf, blocks)| {
+                let gguf_row_bytes = row_bytes / size.bytes() * size.elems() / ACT_BLOCK * gguf.block_layout().1;
+                InterleavedRows::new(gguf, &blocks, gguf_row_bytes)
+            });
+            return Ok(match interleaved {
+                Some(rows) => Storage::Interleaved(rows),
+                None => Storage::U4Blocks(size, bytes),
+            });
+        }
         if dtype.is_checkpoint_blocks() {
-            return Ok(match u4_blocks::Size::of(dtype) {
-                Some(size) => Storage::U4Blocks(size, bytes),
-                None if dtype == GgmlType::F4E2M1B32 => Storage::Fp4Blocks(bytes),
-                None => Storage::Fp8Blocks(Fp8Blocks::new(bytes)),
+            return Ok(match dtype {
+                GgmlType::F4E2M1B32 => Storage::Fp4Blocks(bytes),
+                _ => Storage::Fp8Blocks(Fp8Blocks::new(bytes)),
             });
         }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
@@ -325,6 +339,9 @@ impl Matrix {
             return Err("matrices of different widths".into());
         }
         let rows = parts.iter().map(|p| p.rows).sum();
+        if let Some(storage) = stacked_4bit(parts)? {
+            return Ok(Matrix { rows, cols, storage });
+        }
         let storage = match &first.storage {
             Storage::F32(_) => Storage::F32(collect(parts, |s| match s {
                 Storage::F32(v) => Some(v),
@@ -470,6 +487,45 @@ fn gather_rows<T: Copy>(v: &[T], row_len: usize, picked: &[usize]) -> Vec<T> {
 }
 
 /// The concatenation of each part's storage, which `pick` must recognise as the same kind.
+/// An integer checkpoint's 4-bit matrices are each held in what holds their weights exactly
+/// (Q4_0, Q5_0 or 4-bit blocks: [`Storage::block_rows`]), so the parts of one joined
+/// projection may differ: interleaved ones stack as Q5_0 (Q4_0's weights are Q5_0's), others
+/// widened to f32. `None` where the parts are not such a mix.
+fn stacked_4bit(parts: &[&Matrix]) -> Result<Option<Storage>, String> {
+    let form = |m: &Matrix| match &m.storage {
+        Storage::U4Blocks(size, _) => Some(size.format()),
+        Storage::Interleaved(rows) if matches!(rows.dtype(), GgmlType::Q4_0 | GgmlType::Q5_0) => Some(rows.dtype()),
+        _ => None,
+    };
+    let forms: Option<Vec<GgmlType>> = parts.iter().map(|p| form(p)).collect();
+    let Some(forms) = forms.filter(|f| f.iter().any(|&form| form != f[0])) else {
+        return Ok(None);
+    };
+    let cols = parts[0].cols;
+    if forms.iter().all(|f| matches!(f, GgmlType::Q4_0 | GgmlType::Q5_0)) {
+        let mut q5 = Vec::new();
+        for part in parts {
+            let (dtype, bytes, _) = part.storage.gguf_rows().expect("interleaved rows");
+            match dtype {
+                GgmlType::Q4_0 => q5.extend(quant::q5_0::from_q4_0(&bytes)),
+                _ => q5.extend_from_slice(&bytes),
+            }
+        }
+        let row_bytes = GgmlType::Q5_0.bytes_for(cols).ok_or("rows of no whole blocks")?;
+        return Storage::block_rows(GgmlType::Q5_0, q5, row_bytes).map(Some);
+    }
+    let mut row = vec![0f32; cols];
+    let widened = parts
+        .iter()
+        .flat_map(|m| {
+            (0..m.rows)
+                .flat_map(|r| m.row_f32(r, &mut row).to_vec())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    Ok(Some(Storage::F32(widened)))
+}
+
 fn collect<'a, T: Clone + 'a>(
     parts: &[&'a Matrix],
     pick: impl Fn(&'a Storage) -> Option<&'a Vec<T>>,
@@ -742,46 +798,122 @@ mod tests {
         assert_eq!(widened(&transposed)[1], weights[cols]);
     }
 
-    /// 4-bit blocks: every (row, token) product is the dot product of the row's f32 weights
-    /// (level × scale + offset) with the token, bit for bit (`simd::dot`), whichever rows a
-    /// step asks for and however many tokens; stacking, picking and transposing rows keep the
-    /// weights.
+    /// `rows` × `cols` 4-bit blocks of `size`, block `b` under `scale(b)` with zero point
+    /// `zero(b)` and levels spread over 0..16: the matrix `Storage::block_rows` makes of them,
+    /// its bytes, and its weights as the 4-bit format dequantizes them.
+    fn u4_matrix(
+        size: u4_blocks::Size,
+        rows: usize,
+        cols: usize,
+        scale: impl Fn(usize) -> f32,
+        zero: impl Fn(usize) -> u8,
+    ) -> (Matrix, Vec<u8>, Vec<f32>) {
+        let elems = size.elems();
+        let blocks: Vec<u8> = (0..rows * cols / elems)
+            .flat_map(|b| {
+                let levels: Vec<u8> = (0..elems)
+                    .map(|i| ((((b * elems + i) * 2654435761usize) >> 11) % 16) as u8)
+                    .collect();
+                u4_blocks::block(scale(b), -f32::from(zero(b)) * scale(b), &levels)
+            })
+            .collect();
+        let row_bytes = cols / elems * size.bytes();
+        assert!(Storage::block_rows(size.format(), blocks.clone(), row_bytes - 1).is_err());
+        let storage = Storage::block_rows(size.format(), blocks.clone(), row_bytes).unwrap();
+        let mut weights = vec![0f32; rows * cols];
+        size.format().dequantize(&blocks, &mut weights);
+        (Matrix { rows, cols, storage }, blocks, weights)
+    }
+
+    /// A scale with more significant bits than an f16's (but [`u4_blocks::exact`]).
+    fn f32_scale(b: usize) -> f32 {
+        f32::from_bits((0.01 + b as f32 * 0.003).to_bits() & !0xF)
+    }
+
+    /// 4-bit blocks whose scales are no f16s stay 4-bit blocks: every (row, token) product is
+    /// the dot product of the row's f32 weights (level × scale + offset) with the token, bit for
+    /// bit (`simd::dot`), whichever rows a step asks for and however many tokens; stacking,
+    /// picking and transposing rows keep the weights.
     #[test]
     fn u4_block_rows_multiply_their_products() {
         use u4_blocks::Size::{Of128, Of32};
         for (size, rows, cols) in [(Of32, 40, 96), (Of128, 40, 256)] {
-            let elems = size.elems();
-            let blocks: Vec<u8> = (0..rows * cols / elems)
-                .flat_map(|b| {
-                    let levels: Vec<u8> = (0..elems)
-                        .map(|i| ((((b * elems + i) * 2654435761usize) >> 11) % 16) as u8)
-                        .collect();
-                    let scale = half::f16::from_f32(0.01 + b as f32 * 0.003).to_f32();
-                    u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
-                })
-                .collect();
-            let row_bytes = cols / elems * size.bytes();
-            assert!(Storage::block_rows(size.format(), blocks.clone(), row_bytes - 1).is_err());
-            let storage = Storage::block_rows(size.format(), blocks.clone(), row_bytes).unwrap();
-            let m = Matrix { rows, cols, storage };
+            let (m, blocks, weights) = u4_matrix(size, rows, cols, f32_scale, |b| (b % 17) as u8);
+            assert!(matches!(m.storage, Storage::U4Blocks(held, _) if held == size));
             assert_eq!(m.bytes(), blocks.len());
-            let mut weights = vec![0f32; rows * cols];
-            size.format().dequantize(&blocks, &mut weights);
             check_products(&m, &weights, &[1, 5, 36], None);
             check_rows_kept(&m, &weights);
         }
-        // Blocks of the two sizes do not stack.
-        let of = |size: u4_blocks::Size| {
-            let blocks = vec![0u8; size.bytes() * 128 / size.elems()];
-            let storage = Storage::block_rows(size.format(), blocks, 128 / size.elems() * size.bytes()).unwrap();
-            Matrix {
-                rows: 1,
-                cols: 128,
-                storage,
+    }
+
+    /// 4-bit blocks under f16 scales with integer zero points (GPTQ's, AWQ's) are held as the
+    /// GGUF blocks of the same weights for the int8 kernels: Q4_0 where every zero point is 8,
+    /// else Q5_0. Their rows are the 4-bit weights exactly, their products those of int8
+    /// activations, and stacking, picking and transposing keep the weights.
+    #[test]
+    fn u4_blocks_with_f16_scales_are_held_as_gguf_blocks() {
+        use u4_blocks::Size::{Of128, Of32};
+        let f16_scale = |b: usize| half::f16::from_f32(0.01 + b as f32 * 0.003).to_f32();
+        for (size, cols) in [(Of32, 96), (Of128, 256)] {
+            // Zero points of 8 alone, or of 0 to 16.
+            for (spread, want) in [(false, GgmlType::Q4_0), (true, GgmlType::Q5_0)] {
+                let zero = |b: usize| if spread { (b % 17) as u8 } else { 8 };
+                for rows in [40, 70] {
+                    let (m, _, weights) = u4_matrix(size, rows, cols, f16_scale, zero);
+                    let Storage::Interleaved(interleaved) = &m.storage else {
+                        panic!("{size:?}: not interleaved")
+                    };
+                    assert_eq!(interleaved.dtype(), want, "{size:?}");
+                    match rows {
+                        40 => check_rows_kept(&m, &weights),
+                        _ => products_do_not_depend_on_the_step(m),
+                    }
+                }
             }
+        }
+    }
+
+    /// The parts of one projection held in different 4-bit forms stack: Q4_0 with Q5_0 as Q5_0,
+    /// 4-bit blocks with either (or blocks of the two sizes) widened to f32; each row's
+    /// weights kept.
+    #[test]
+    fn matrices_of_different_4bit_forms_stack() {
+        use u4_blocks::Size::{Of128, Of32};
+        let f16_scale = |b: usize| half::f16::from_f32(0.02 + b as f32 * 0.001).to_f32();
+        let (q4, _, q4_weights) = u4_matrix(Of128, 20, 128, f16_scale, |_| 8);
+        let (q5, _, q5_weights) = u4_matrix(Of32, 7, 128, f16_scale, |b| (b % 3) as u8);
+        let (of32, _, of32_weights) = u4_matrix(Of32, 5, 128, f32_scale, |b| (b % 5) as u8);
+        let (of128, _, of128_weights) = u4_matrix(Of128, 3, 128, f32_scale, |_| 8);
+        let widened = |m: &Matrix| -> Vec<f32> {
+            let mut row = vec![0f32; m.cols];
+            (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
         };
-        assert!(Matrix::stack_rows(&[&of(Of32), &of(Of128)]).is_err());
-        assert_eq!(Matrix::stack_rows(&[&of(Of128), &of(Of128)]).unwrap().rows, 2);
+        for (parts, weights, want) in [
+            (vec![&q4, &q5], vec![&q4_weights, &q5_weights], Some(GgmlType::Q5_0)),
+            (
+                vec![&q5, &q4, &q5],
+                vec![&q5_weights, &q4_weights, &q5_weights],
+                Some(GgmlType::Q5_0),
+            ),
+            (vec![&q4, &of32], vec![&q4_weights, &of32_weights], None),
+            (vec![&of128, &q5], vec![&of128_weights, &q5_weights], None),
+            (vec![&of32, &of128], vec![&of32_weights, &of128_weights], None),
+        ] {
+            let stacked = Matrix::stack_rows(&parts).unwrap();
+            match (&stacked.storage, want) {
+                (Storage::Interleaved(rows), Some(want)) => assert_eq!(rows.dtype(), want),
+                (Storage::F32(_), None) => {}
+                _ => panic!("stacked as {want:?}: another storage"),
+            }
+            let weights: Vec<f32> = weights.into_iter().flatten().copied().collect();
+            assert_eq!(stacked.rows * 128, weights.len());
+            assert_eq!(widened(&stacked), weights);
+        }
+        assert_eq!(Matrix::stack_rows(&[&q4, &q4]).unwrap().rows, 40);
+        assert!(matches!(
+            Matrix::stack_rows(&[&q4, &q4]).unwrap().storage,
+            Storage::Interleaved(ref r) if r.dtype() == GgmlType::Q4_0
+        ));
     }
 
     /// FP4 blocks: every (row, token) product is the dot product of the row's f32 weights (code
