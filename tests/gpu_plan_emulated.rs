@@ -1200,20 +1200,23 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 }
 
 /// Integer checkpoints held as blocks (their levels with their groups' scales and zero
-/// points) run their plans as the CPU backend runs them (4-bit blocks as it runs the same
-/// weights dequantized: it multiplies the blocks against int8 activations): GPTQ's 128-wide Llama in groups of
-/// 128 (4-bit blocks of 128, its down projection's of 32) and compressed-tensors' symmetric
-/// Llama (FP8 blocks of 32) on Hopper, and compressed-tensors' Qwen3-Next
-/// (experts, Gated DeltaNet, attention in 4-bit blocks; its shared expert's down projection
-/// dequantized to f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a
-/// 19-token prompt (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its router
-/// follows the rounding, as in [`fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does`]).
+/// points) run their plans as the CPU backend runs them (4-bit and Q8_0 blocks as it runs the
+/// same weights dequantized: it multiplies those blocks against int8 activations): GPTQ's
+/// 128-wide Llama in groups of 128 (4-bit blocks of 128, its down projection's of 32),
+/// compressed-tensors' symmetric Llama (FP8 blocks of 32) and its 8-bit Llama with bf16
+/// scales (Q8_0 blocks) on Hopper, and compressed-tensors' Qwen3-Next (experts, Gated
+/// DeltaNet, attention in 4-bit blocks; its shared expert's down projection dequantized to
+/// f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a 19-token prompt
+/// (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its router follows the
+/// rounding, as in [`fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does`]).
 #[test]
 fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     use quant::GgmlType::{F8E4M3B32, U4B128, U4B32};
     check_held_blocks("llama_gptq_g128", Target::H200, &[U4B128, U4B32], 2e-2);
     check_held_blocks("llama_w4a16", Target::H200, &[F8E4M3B32], 2e-2);
     check_held_blocks("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1);
+    let w8 = common::checkpoint_copies::with_bf16_scales(&fixture("hf-tiny/llama_w8a16"));
+    check_held_blocks_at("llama_w8a16", w8.path(), Target::H200, &[quant::GgmlType::Q8_0], 2e-2);
 }
 
 /// FP4 checkpoints held as FP4 blocks run their plans as the CPU backend runs them:
@@ -1234,7 +1237,19 @@ fn fp4_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 /// 19-token prompt within `prefill_tolerance`), with at least two weights of each of `held_as`
 /// in the plan's graph and nothing held twice.
 fn check_held_blocks(family: &str, target: Target, held_as: &[quant::GgmlType], prefill_tolerance: f32) {
-    let held = open(family, ComputeDtype::Native);
+    let path = fixture(&format!("hf-tiny/{family}"));
+    check_held_blocks_at(family, &path, target, held_as, prefill_tolerance);
+}
+
+/// [`check_held_blocks`] of the checkpoint at `path`.
+fn check_held_blocks_at(
+    family: &str,
+    path: &std::path::Path,
+    target: Target,
+    held_as: &[quant::GgmlType],
+    prefill_tolerance: f32,
+) {
+    let held = open_at(path, ComputeDtype::Native);
     let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
     for &held_as in held_as {
         let format = quant::tensor::ir_dtype(held_as);
@@ -1248,11 +1263,13 @@ fn check_held_blocks(family: &str, target: Target, held_as: &[quant::GgmlType], 
             "{family}: the plan's graph has {blocks} weights of {format}"
         );
     }
-    // The CPU backend multiplies 4-bit blocks on its int8 kernels (int8 activations): the plan
-    // is checked against the same weights dequantized, where the CPU computes in f32 as the
-    // plan's GEMVs do.
-    let u4 = held_as.iter().any(|t| quant::u4_blocks::Size::of(*t).is_some());
-    let dequantized = u4.then(|| open(family, ComputeDtype::F32));
+    // The CPU backend multiplies 4-bit and Q8_0 blocks on its int8 kernels (int8 activations):
+    // the plan is checked against the same weights dequantized, where the CPU computes in f32
+    // as the plan's GEMVs do.
+    let int8 = held_as
+        .iter()
+        .any(|&t| quant::u4_blocks::Size::of(t).is_some() || t == quant::GgmlType::Q8_0);
+    let dequantized = int8.then(|| open_at(path, ComputeDtype::F32));
     check_within(
         family,
         &held,

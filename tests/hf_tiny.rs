@@ -1439,6 +1439,70 @@ fn check_quantized_checkpoint(name: &str, method: &str, weight: &str, held: quan
     check_cpu_backend_within(&native, &Reference::of(name), native_cpu, &format!("{name} as stored"));
 }
 
+/// compressed-tensors' 8-bit Llama (`llama_w8a16`: symmetric, a scale a row) with its scales
+/// stored in bf16, as llm-compressor saves a bf16 model's: held natively as GGUF's Q8_0 blocks
+/// of the same weights (every projection), its logits through the interpreter are those of
+/// the checkpoint read into f32 (the same products), and through the CPU backend (int8
+/// activations) within 3e-2 of them (1.6% measured) with the same 12 greedy ids; computing in
+/// bf16 the blocks stay. With f32 scales (the fixture's own) the weights stay f32.
+#[test]
+fn eight_bit_checkpoints_under_16_bit_scales_are_held_as_q8_0() {
+    let src = fixture("hf-tiny/llama_w8a16");
+    let scratch = common::checkpoint_copies::with_bf16_scales(&src);
+    let dir = scratch.path();
+    let read = |dir: &std::path::Path, dtype| {
+        let mut spec = ModelSpec::for_weights(dir);
+        spec.dtype = dtype;
+        Model::open(spec).unwrap()
+    };
+    let (native, dequantized) = (read(dir, ComputeDtype::Native), read(dir, ComputeDtype::F32));
+    for layer in 0..2 {
+        for part in ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"] {
+            let name = format!("model.layers.{layer}.{part}.weight");
+            assert_eq!(
+                native.weights.require(&name).unwrap().dtype,
+                quant::GgmlType::Q8_0,
+                "{name}"
+            );
+        }
+    }
+    let down = "model.layers.1.mlp.down_proj.weight";
+    assert_eq!(
+        read(&src, ComputeDtype::Native).weights.require(down).unwrap().dtype,
+        quant::GgmlType::F32
+    );
+    // Computing in bf16 (vLLM's `--dtype auto` over a bf16 release), the blocks stay Q8_0.
+    let mut spec = ModelSpec::for_weights(dir);
+    (spec.dtype, spec.quantization) = (ComputeDtype::Bf16, Some("compressed-tensors".into()));
+    let in_bf16 = Model::open(spec).unwrap().lower(LogitsFor::AllTokens).unwrap();
+    let projections: Vec<_> = in_bf16
+        .nodes()
+        .iter()
+        .filter_map(|n| match &n.op {
+            ir::Op::Weight { name } if name.contains("_proj.") => Some(n.dtype),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        projections.len() >= 14 && projections.iter().all(|&t| t == ir::DType::Q8_0),
+        "{projections:?}"
+    );
+    // The KV caches stay the checkpoint's f32, as for its other held blocks.
+    let graph = native.lower(LogitsFor::AllTokens).unwrap();
+    let caches = graph.nodes().iter().filter_map(|n| match &n.op {
+        ir::Op::Attention(spec) => Some(spec.cache_dtype),
+        _ => None,
+    });
+    let caches: Vec<_> = caches.collect();
+    assert!(
+        !caches.is_empty() && caches.iter().all(|&c| c == ir::DType::F32),
+        "{caches:?}"
+    );
+    let reference = interpreter_reference(&dequantized, &Reference::of("llama_w8a16").input_ids, 12);
+    check_interpreter_against(&native, &reference, "w8 bf16 scales as Q8_0");
+    check_cpu_backend_within(&native, &reference, 3e-2, "w8 bf16 scales as Q8_0");
+}
+
 /// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)
 /// are taken as the methods; another method is refused naming the checkpoint's.
 #[test]

@@ -10,9 +10,12 @@
 //! columns lie in one group) where the scales make `q · s − z · s`
 //! exact (every f16 and bf16 scale does), else FP8 blocks (`quant::fp8_blocks`: `q − z`, at
 //! most 16 in magnitude, is exactly an E4M3 code; 9 bits a weight). Either way the products
-//! are the same, run by kernels every such block has. Wider levels, act-order groups and groups
-//! that split a block of 32 are dequantized into a float type instead, as is everything when
-//! the model is read into one.
+//! are the same, run by kernels every such block has. Wider levels under f16 scales (bf16
+//! ones nearly always are) are held as GGUF's Q8_0 blocks where every `q − z` is a signed byte
+//! (levels of up to 7 bits, or 8 with every zero point 128: symmetric checkpoints), each weight
+//! exactly `(q − z) · s` again. Other wider levels, act-order groups and groups that split a
+//! block of 32 are dequantized into a float type instead, as is everything when the model is
+//! read into one.
 
 use crate::quant::GgmlType;
 use ir::F8E4M3;
@@ -381,25 +384,40 @@ impl PackedLayout {
         }
     }
 
+    /// Group `group`'s zero point in row `row` of matrix `matrix` as stored, unsigned
+    /// (compressed-tensors' signed ones plus their offset; a symmetric scheme's, without
+    /// `zeros`, the offset: the differences are the same).
+    fn zero_point(&self, zeros: Option<&[u8]>, matrix: usize, row: usize, group: usize) -> i32 {
+        let scheme = self.scheme;
+        let (mask, offset, bits) = (scheme.mask(), scheme.offset(), scheme.bits as usize);
+        let Some(zeros) = zeros else { return offset };
+        let per = 32 / bits;
+        match scheme.packing {
+            Packing::Gptq { zero_offset } => {
+                let w = word(zeros, group * (self.rows / per) + row / per);
+                ((u64::from(w) >> (row % per * bits)) & mask) as i32 + zero_offset
+            }
+            Packing::Awq => {
+                let w = word(zeros, group * (self.rows / 8) + row / 8);
+                ((w >> (AWQ_NIBBLE[row % 8] * 4)) & 0xF) as i32
+            }
+            Packing::CompressedTensors => {
+                let first = matrix * self.zero_words * self.groups + group;
+                dense_bits(zeros, first, self.groups, row * bits, bits, mask)
+            }
+            Packing::CompressedTensorsBytes => {
+                i32::from(zeros[(matrix * self.rows + row) * self.groups + group] as i8) + offset
+            }
+        }
+    }
+
     /// Row `row` of matrix `matrix` into `out`: its levels and each group's zero point as
-    /// stored, unsigned (compressed-tensors' signed ones plus their offset, a symmetric
-    /// scheme's zero point the offset: the differences are the same), and each group's scale.
+    /// stored, unsigned ([`Self::zero_point`]), and each group's scale.
     fn row(&self, parts: &PackedParts<'_>, matrix: usize, row: usize, out: &mut Row) {
         let scheme = self.scheme;
         let (mask, offset) = (scheme.mask(), scheme.offset());
         let bits = scheme.bits as usize;
         let per = 32 / bits;
-        let word = |bytes: &[u8], at: usize| u32::from_le_bytes(bytes[at * 4..at * 4 + 4].try_into().expect("4 bytes"));
-        // `bits` bits at bit `bit` of a dense stream of words, `stride` words apart.
-        let dense = |bytes: &[u8], first: usize, stride: usize, bit: usize| {
-            let at = first + bit / 32 * stride;
-            let low = u64::from(word(bytes, at));
-            let high = match bit % 32 + bits > 32 {
-                true => u64::from(word(bytes, at + stride)) << 32,
-                false => 0,
-            };
-            (((low | high) >> (bit % 32)) & mask) as i32
-        };
         let scale_row = if self.scale_rows == 1 { 0 } else { row };
         // compressed-tensors' scales lie `[rows, groups]`, GPTQ's and AWQ's `[groups, rows]`.
         let scale_at = |group: usize| match scheme.packing {
@@ -408,25 +426,7 @@ impl PackedLayout {
             }
             _ => group * self.rows + row,
         };
-        let signed_byte = |bytes: &[u8], at: usize| i32::from(bytes[at] as i8) + offset;
-        let zero = |group: usize| -> i32 {
-            let Some(zeros) = parts.zeros else { return offset };
-            match scheme.packing {
-                Packing::Gptq { zero_offset } => {
-                    let w = word(zeros, group * (self.rows / per) + row / per);
-                    ((u64::from(w) >> (row % per * bits)) & mask) as i32 + zero_offset
-                }
-                Packing::Awq => {
-                    let w = word(zeros, group * (self.rows / 8) + row / 8);
-                    ((w >> (AWQ_NIBBLE[row % 8] * 4)) & 0xF) as i32
-                }
-                Packing::CompressedTensors => {
-                    let first = matrix * self.zero_words * self.groups + group;
-                    dense(zeros, first, self.groups, row * bits)
-                }
-                Packing::CompressedTensorsBytes => signed_byte(zeros, (matrix * self.rows + row) * self.groups + group),
-            }
-        };
+        let zero = |group: usize| self.zero_point(parts.zeros, matrix, row, group);
         for (g, (z, s)) in out.zeros.iter_mut().zip(&mut out.scales).enumerate() {
             *z = zero(g);
             *s = parts.scales[scale_at(g)];
@@ -443,10 +443,10 @@ impl PackedLayout {
                 }
                 Packing::CompressedTensors => {
                     let first = (matrix * self.rows + row) * self.row_words;
-                    dense(parts.levels, first, 1, col * bits)
+                    dense_bits(parts.levels, first, 1, col * bits, bits, mask)
                 }
                 Packing::CompressedTensorsBytes => {
-                    signed_byte(parts.levels, (matrix * self.rows + row) * self.cols + col)
+                    i32::from(parts.levels[(matrix * self.rows + row) * self.cols + col] as i8) + offset
                 }
             };
         }
@@ -505,6 +505,38 @@ impl PackedLayout {
         })
     }
 
+    /// Whether the weight can be held as GGUF's Q8_0 blocks (`q · d`, `q` a signed byte, `d` an
+    /// f16) of the same weights, its scales being f16s: every 32 columns of a row lie in one
+    /// group, and every `q − z` is a signed byte, as levels of up to 7 bits always are and 8-bit
+    /// ones where every zero point is 128 (symmetric; `zeros` the zero points as stored).
+    pub fn fits_q8_0(&self, zeros: Option<&[u8]>) -> bool {
+        let bits = self.scheme.bits;
+        let whole_blocks = self.group_index.is_none()
+            && self.cols.is_multiple_of(BLOCK_ELEMS)
+            && (self.groups == 1 || self.group_cols.is_multiple_of(BLOCK_ELEMS));
+        let zero_rows = self.matrices * self.rows;
+        whole_blocks
+            && (bits <= 7
+                || (0..zero_rows * self.groups).all(|at| {
+                    let (row, group) = (at / self.groups, at % self.groups);
+                    self.zero_point(zeros, row / self.rows, row % self.rows, group) == 128
+                }))
+    }
+
+    /// The weight as GGUF's Q8_0 blocks: each block's bytes its levels less their zero point,
+    /// its scale its group's as an f16. The layout must [fit them](Self::fits_q8_0) and every
+    /// scale be an f16, so each weight is exactly `(q − z) · s`.
+    pub fn q8_0_blocks(&self, parts: &PackedParts<'_>) -> Vec<u8> {
+        assert!(self.fits_q8_0(parts.zeros), "{self:?} does not fit Q8_0 blocks");
+        let (elems, bytes) = GgmlType::Q8_0.block_layout();
+        self.in_blocks(parts, elems, bytes, |levels, zero, scale, out| {
+            out[..2].copy_from_slice(&half::f16::from_f32(scale).to_le_bytes());
+            for (q, &level) in out[2..].iter_mut().zip(levels) {
+                *q = (level - zero) as i8 as u8;
+            }
+        })
+    }
+
     /// The weight in blocks of `elems` columns, `bytes` bytes each: `make(levels, zero, scale,
     /// block)` writes each block from its levels with their group's zero point and scale, the
     /// rows on the pool. Each block must lie in one group.
@@ -557,6 +589,23 @@ impl PackedLayout {
         );
         out
     }
+}
+
+/// Word `at` of little-endian 32-bit words.
+fn word(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at * 4..at * 4 + 4].try_into().expect("4 bytes"))
+}
+
+/// The `bits` bits (under `mask`) at bit `bit` of a dense stream of words, `stride` words
+/// apart from word `first`.
+fn dense_bits(bytes: &[u8], first: usize, stride: usize, bit: usize, bits: usize, mask: u64) -> i32 {
+    let at = first + bit / 32 * stride;
+    let low = u64::from(word(bytes, at));
+    let high = match bit % 32 + bits > 32 {
+        true => u64::from(word(bytes, at + stride)) << 32,
+        false => 0,
+    };
+    (((low | high) >> (bit % 32)) & mask) as i32
 }
 
 /// One row of a packed weight as [`PackedLayout::row`] reads it.
@@ -789,7 +838,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Whatever the levels, zero points and scales, every element read back is
         /// `(q − z) · s` of its own row and group (compressed-tensors' signed levels less the
-        /// offset), and the FP8 blocks hold the same products bit for bit.
+        /// offset), and the FP8, 4-bit and Q8_0 blocks hold the same products.
         #[test]
         fn every_element_is_its_level_less_its_zero_times_its_scale(
             which in 0usize..10,
@@ -818,7 +867,11 @@ mod tests {
             let top = 1u32 << scheme.bits;
             let q: Vec<u32> = (0..matrices * rows * cols).map(|_| (next() % u64::from(top)) as u32).collect();
             let with_zeros = asymmetric || !compressed_tensors;
-            let z: Vec<u32> = (0..matrices * rows * groups).map(|_| (next() % u64::from(top)) as u32).collect();
+            // Now and then every zero point the middle level (symmetric, as GPTQ stores it).
+            let middle = next() % 3 == 0;
+            let z: Vec<u32> = (0..matrices * rows * groups)
+                .map(|_| if middle { top / 2 } else { (next() % u64::from(top)) as u32 })
+                .collect();
             let z_values: Vec<u32> = match scheme.packing {
                 // GPTQ's first format stores `z − 1`: a stored 0 is a zero point of 1.
                 Packing::Gptq { zero_offset } => z.iter().map(|&z| z.max(zero_offset as u32)).collect(),
@@ -876,6 +929,19 @@ mod tests {
                 let mut widened = vec![0f32; values.len()];
                 size.format().dequantize(&blocks, &mut widened);
                 // Equal as numbers: a zero weight may be either zero.
+                prop_assert!(widened.iter().zip(&values).all(|(a, b)| a == b));
+            }
+            // Q8_0 where every 32 columns lie in a group and every `q − z` is a byte: levels of
+            // up to 7 bits, or every zero point 128.
+            let zeros_at_128 = (0..matrices * rows * groups)
+                .all(|i| if with_zeros { z_values[i] == 128 } else { offset == 128 });
+            let fits_q8_0 = group_cols % 32 == 0 && (scheme.bits <= 7 || zeros_at_128);
+            prop_assert_eq!(layout.fits_q8_0(parts.zeros), fits_q8_0);
+            if fits_q8_0 && short {
+                let blocks = layout.q8_0_blocks(&parts);
+                prop_assert_eq!(Some(blocks.len()), GgmlType::Q8_0.bytes_for(values.len()));
+                let mut widened = vec![0f32; values.len()];
+                GgmlType::Q8_0.dequantize(&blocks, &mut widened);
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a == b));
             }
         }

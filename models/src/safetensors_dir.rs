@@ -99,11 +99,21 @@ pub struct SafetensorsDir {
     indices: BTreeMap<String, RawEntry>,
 }
 
+/// What a packed weight's scales (and zero points) allow it to be held as.
+#[derive(Debug, Clone, Copy)]
+struct PackedScales {
+    /// 4-bit blocks are exact under them (`u4_blocks::exact`).
+    u4_exact: bool,
+    /// They are f16s, and the weight's layout fits Q8_0 blocks (`PackedLayout::fits_q8_0`).
+    q8_0_fit: bool,
+}
+
 impl SafetensorsDir {
     /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
     /// or f16), else held as blocks of 32 where they fit them (FP8 blocks, or 4-bit blocks for
     /// integer weights whose scales allow them, of 128 where the groups do:
-    /// `ScaleGrid::fits_blocks_of_32`, `PackedLayout::u4_size`, `u4_blocks::exact`) and as the
+    /// `ScaleGrid::fits_blocks_of_32`, `PackedLayout::u4_size`, `u4_blocks::exact`; wider
+    /// integer levels under f16 scales as Q8_0 blocks: `PackedLayout::fits_q8_0`) and as the
     /// checkpoint's `dtype` where not.
     pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
         Self::open_with_indices(dir, convert_to, &[])
@@ -180,10 +190,11 @@ impl SafetensorsDir {
         }
         this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
         // Blocks of an integer checkpoint are 4-bit blocks where its scales allow them, as wide
-        // as its groups allow.
-        this.pair_packed(ints, integers, |layout, exact_scales| {
+        // as its groups allow; wider levels under f16 scales are Q8_0 blocks where they fit.
+        this.pair_packed(ints, integers, |layout, scales| {
             match (read_as(layout.fits_blocks_of_32()), layout.u4_size()) {
-                (GgmlType::F8E4M3B32, Some(size)) if exact_scales => size.format(),
+                (GgmlType::F8E4M3B32, Some(size)) if scales.u4_exact => size.format(),
+                _ if convert_to.is_none() && scales.q8_0_fit => GgmlType::Q8_0,
                 (read_as, _) => read_as,
             }
         })?;
@@ -296,7 +307,7 @@ impl SafetensorsDir {
         &mut self,
         mut ints: BTreeMap<String, RawEntry>,
         scheme: Option<IntScheme>,
-        read_as: impl Fn(&PackedLayout, bool) -> GgmlType,
+        read_as: impl Fn(&PackedLayout, PackedScales) -> GgmlType,
     ) -> Result<()> {
         if let Some(scheme) = scheme {
             let names = scheme.part_names();
@@ -350,9 +361,18 @@ impl SafetensorsDir {
                     shape,
                 };
                 let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
+                let f16_scales = scales.dtype == GgmlType::F16
+                    || self
+                        .floats(&scales)
+                        .iter()
+                        .all(|&s| f32::from(half::f16::from_f32(s)) == s);
+                let facts = PackedScales {
+                    u4_exact: self.u4_exact(&scales),
+                    q8_0_fit: f16_scales && layout.fits_q8_0(zeros.as_ref().map(|z| self.raw(z))),
+                };
                 let weight = MadeWeight {
                     shape: matrix_shape(layout.shape()),
-                    read_as: read_as(&layout, self.u4_exact(&scales)),
+                    read_as: read_as(&layout, facts),
                     from: MadeFrom::Packed {
                         layout,
                         levels,
@@ -507,6 +527,7 @@ impl SafetensorsDir {
                     scales: &scales,
                 };
                 match weight.read_as {
+                    GgmlType::Q8_0 => layout.q8_0_blocks(&parts),
                     GgmlType::U4B32 | GgmlType::U4B128 => {
                         let size = quant::u4_blocks::Size::of(weight.read_as).expect("a 4-bit block format");
                         layout.u4_blocks(&parts, size)

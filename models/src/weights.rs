@@ -106,10 +106,17 @@ impl WeightSource {
         }
     }
 
+    /// Whether matrices stored as `dtype` are blocks a checkpoint's quantized weights are held
+    /// as (FP8, 4-bit and FP4 blocks, and in a directory Q8_0 blocks, its 8-bit integer
+    /// weights), which lowering keeps whatever the type computed in.
+    pub fn holds_checkpoint_blocks(&self, dtype: GgmlType) -> bool {
+        dtype.is_checkpoint_blocks() || (matches!(self, Self::Safetensors(_)) && dtype == GgmlType::Q8_0)
+    }
+
     /// The storage type holding the most elements of the tensors of two or more dims (the
-    /// matrices; norms and biases are vectors), `None` without any. Checkpoints' FP8, 4-bit and
-    /// FP4 blocks are passed over where other matrices remain: a quantized checkpoint's embeddings and heads
-    /// keep its own type.
+    /// matrices; norms and biases are vectors), `None` without any. Blocks a checkpoint's
+    /// weights are held as ([`Self::holds_checkpoint_blocks`]) are passed over where other
+    /// matrices remain: a quantized checkpoint's embeddings and heads keep its own type.
     pub fn matrix_storage(&self) -> Option<GgmlType> {
         // Each tensor's type and shape straight from the listing (`get` finds a GGUF tensor
         // by a search of its names).
@@ -134,7 +141,7 @@ impl WeightSource {
                 None => elements.push((dtype, count)),
             }
         }
-        let held = |t: &(GgmlType, usize)| t.0.is_checkpoint_blocks();
+        let held = |t: &(GgmlType, usize)| self.holds_checkpoint_blocks(t.0);
         let counted = match elements.iter().all(held) {
             true => elements,
             false => elements.into_iter().filter(|t| !held(t)).collect(),

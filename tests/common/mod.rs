@@ -1,6 +1,7 @@
 //! Shared by the integration tests: fixture paths and the fetched real models.
 #![allow(dead_code)]
 
+pub mod checkpoint_copies;
 pub mod drafting;
 pub mod hf_reference;
 pub mod server;

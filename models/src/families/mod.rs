@@ -581,14 +581,17 @@ impl<'w> Builder<'w> {
         }
     }
 
-    /// A matrix weight `[rows, cols]`, typed as the compute dtype asks; FP8 and 4-bit blocks
-    /// stay as they are (a source holds them only where the model runs such weights: quantized
-    /// as it loads, or an FP8 or integer checkpoint not read into another type).
+    /// A matrix weight `[rows, cols]`, typed as the compute dtype asks; FP8, 4-bit and FP4
+    /// blocks, and a directory's Q8_0 blocks, stay as they are (a source holds them only where
+    /// the model runs such weights: quantized as it loads, or an FP8, FP4 or integer checkpoint
+    /// not read into another type).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;
         let dtype = match self.weights {
             // Implied blocks are what the weights are made as: kept whatever the compute dtype.
             Catalog::Implied { blocks: Some(blocks) } if storage == blocks => ir_dtype(storage),
+            // So are blocks a checkpoint's weights are held as.
+            Catalog::Source(source) if source.holds_checkpoint_blocks(storage) => ir_dtype(storage),
             _ => matrix_dtype(self.options.compute, storage),
         };
         Ok(self.graph.weight(name, &[rows, cols], dtype))
