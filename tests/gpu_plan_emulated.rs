@@ -2647,6 +2647,17 @@ fn mxfp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
     assert_eq!(made, [("mxfp4", 7 * layers)].into());
 }
 
+/// The same for the Q8_0 blocks 8-bit integer checkpoints are held as (the GPU check's 8-bit
+/// decode rows: `q8_0::quantize_matrix`, ggml's reference quantizer), every projection of the
+/// 64-wide Llama.
+#[test]
+fn q8_0_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
+    let config = open("llama", ComputeDtype::Bf16).config;
+    let layers = config.layers;
+    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::Q8_0);
+    assert_eq!(made, [("q8_0", 7 * layers)].into());
+}
+
 /// `config` lowered without weights, its projections in `blocks`, run on an H200 plan with its
 /// blocks made on the host from the bf16 values the device would fill
 /// (`quant::tensor::quantize_matrix`) and uploaded, the rest filled on the device, against

@@ -902,8 +902,8 @@ fn sharded_safetensors_load_like_one_file() {
 
 /// A model lowered from its config alone (no weights; what the GPU check's 8B-shaped decode
 /// and the compile-time benchmark use) is the graph its weights give, for every family; so is
-/// one quantized to FP8 as it loads, and the tiny Llama in 4-bit blocks as its GPTQ
-/// checkpoint's.
+/// one quantized to FP8 as it loads, and the tiny Llama in 4-bit, FP4 and Q8_0 blocks as its
+/// GPTQ, NVFP4 and 8-bit checkpoints'.
 #[test]
 fn lowering_without_weights_gives_the_graph_the_weights_give() {
     for family in [
@@ -968,12 +968,22 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
         assert!(held.iter().all(|dtype| lowered.contains(dtype)), "{name}");
         assert_eq!(implied.to_text(), lowered, "{name}");
     }
+    // In Q8_0 blocks, the graph of an 8-bit checkpoint with bf16 scales.
+    let w8 = common::checkpoint_copies::with_bf16_scales(&fixture("hf-tiny/llama_w8a16"));
+    let mut spec = ModelSpec::for_weights(w8.path());
+    (spec.dtype, spec.quantization) = (ComputeDtype::Bf16, Some("compressed-tensors".into()));
+    let checkpoint = Model::open(spec).unwrap();
+    let implied =
+        models::lower_without_weights_in_blocks(&checkpoint.config, options, Some(quant::GgmlType::Q8_0)).unwrap();
+    let lowered = checkpoint.lower(LogitsFor::LastToken).unwrap().to_text();
+    assert!(lowered.contains("q8_0"));
+    assert_eq!(implied.to_text(), lowered, "8-bit checkpoint");
     let config = open("llama").config;
     let err = models::lower_without_weights_in_blocks(&config, options, Some(quant::GgmlType::Q4K));
     assert!(err
         .unwrap_err()
         .to_string()
-        .contains("FP8, 4-bit, FP4 or MXFP4 blocks only"));
+        .contains("FP8, 4-bit, FP4, MXFP4 or Q8_0 blocks only"));
     let eight_b = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,

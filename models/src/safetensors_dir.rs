@@ -108,6 +108,18 @@ struct PackedScales {
     q8_0_fit: bool,
 }
 
+impl PackedScales {
+    /// Of the weight laid out as `layout` with `scales` (read as f32) and its zero points as
+    /// stored.
+    fn of(scales: &[f32], layout: &PackedLayout, zeros: Option<&[u8]>) -> Self {
+        let f16 = |s: f32| f32::from(half::f16::from_f32(s)) == s;
+        Self {
+            u4_exact: scales.iter().all(|&s| quant::u4_blocks::exact(s)),
+            q8_0_fit: scales.iter().all(|&s| f16(s)) && layout.fits_q8_0(zeros),
+        }
+    }
+}
+
 impl SafetensorsDir {
     /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
     /// or f16), else held as blocks of 32 where they fit them (FP8 blocks, or 4-bit blocks for
@@ -361,15 +373,8 @@ impl SafetensorsDir {
                     shape,
                 };
                 let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
-                let f16_scales = scales.dtype == GgmlType::F16
-                    || self
-                        .floats(&scales)
-                        .iter()
-                        .all(|&s| f32::from(half::f16::from_f32(s)) == s);
-                let facts = PackedScales {
-                    u4_exact: self.u4_exact(&scales),
-                    q8_0_fit: f16_scales && layout.fits_q8_0(zeros.as_ref().map(|z| self.raw(z))),
-                };
+                let zeros_stored = zeros.as_ref().map(|z| self.raw(z));
+                let facts = PackedScales::of(&self.floats(&scales), &layout, zeros_stored);
                 let weight = MadeWeight {
                     shape: matrix_shape(layout.shape()),
                     read_as: read_as(&layout, facts),
@@ -406,12 +411,6 @@ impl SafetensorsDir {
         let mut values = vec![0f32; entry.stored_shape.iter().product()];
         entry.dtype.dequantize(self.data(entry), &mut values);
         values
-    }
-
-    /// Whether every scale of `entry` makes 4-bit blocks exact (`u4_blocks::exact`): every f16
-    /// does; others are read to see.
-    fn u4_exact(&self, entry: &SafetensorsEntry) -> bool {
-        entry.dtype == GgmlType::F16 || self.floats(entry).iter().all(|&s| quant::u4_blocks::exact(s))
     }
 
     /// The values of an integer tensor kept by [`Self::open_with_indices`], and its shape as

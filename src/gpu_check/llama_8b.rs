@@ -173,8 +173,9 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     // And quantized to FP8 as it loads (`--quantization fp8`): 9 bits a weight where bf16
     // takes 16, the steps' GEMVs decoding the blocks as they stream them.
     // And in the 4-bit blocks a GPTQ or AWQ checkpoint is held as (4.5 bits a weight: blocks
-    // of 128), in the FP4 blocks of an NVFP4 checkpoint (6 bits), and in GGUF's MXFP4 blocks
-    // (4.25 bits, decoded through a table as llama.cpp's MXFP4_MOE experts are).
+    // of 128), in the FP4 blocks of an NVFP4 checkpoint (6 bits), in GGUF's MXFP4 blocks
+    // (4.25 bits, decoded through a table as llama.cpp's MXFP4_MOE experts are), and in the
+    // Q8_0 blocks an 8-bit integer checkpoint is held as (8.5 bits).
     for (name, blocks) in [
         (
             "Llama-8B-shaped, FP8 weights (--quantization fp8)",
@@ -189,6 +190,10 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             quant::GgmlType::F4E2M1B32,
         ),
         ("Llama-8B-shaped, GGUF MXFP4 weights", quant::GgmlType::MXFP4),
+        (
+            "Llama-8B-shaped, 8-bit weights (as W8A16 and W8A8 are held: Q8_0)",
+            quant::GgmlType::Q8_0,
+        ),
     ] {
         let quantized = super::decode::quantized_serving_executor(
             name,

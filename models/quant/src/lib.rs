@@ -21,7 +21,7 @@ pub mod q5_0;
 mod q5_1;
 mod q5_k;
 mod q6_k;
-mod q8_0;
+pub mod q8_0;
 pub mod tensor;
 pub mod u4_blocks;
 
@@ -224,8 +224,16 @@ impl GgmlType {
     pub const CHECKPOINT_BLOCKS: [Self; 4] = [Self::F8E4M3B32, Self::U4B32, Self::U4B128, Self::F4E2M1B32];
 
     /// The block formats bbc makes from floats (`tensor::quantize_matrix`) where no file gave
-    /// them: its checkpoint blocks, and GGUF's MXFP4 (random weights timed in it).
-    pub const MADE_FROM_FLOATS: [Self; 5] = [Self::F8E4M3B32, Self::U4B32, Self::U4B128, Self::F4E2M1B32, Self::MXFP4];
+    /// them: its checkpoint blocks, GGUF's MXFP4 and Q8_0 (the form 8-bit integer checkpoints
+    /// are held in; random weights are timed in each).
+    pub const MADE_FROM_FLOATS: [Self; 6] = [
+        Self::F8E4M3B32,
+        Self::U4B32,
+        Self::U4B128,
+        Self::F4E2M1B32,
+        Self::MXFP4,
+        Self::Q8_0,
+    ];
 
     /// Whether this is one of [`Self::CHECKPOINT_BLOCKS`].
     pub fn is_checkpoint_blocks(self) -> bool {

@@ -128,6 +128,7 @@ pub fn quantize_matrix(view: &TensorView<'_>, format: GgmlType) -> Option<Vec<u8
         GgmlType::F8E4M3B32 => crate::fp8_blocks::quantize_matrix(view),
         GgmlType::F4E2M1B32 => crate::fp4_blocks::quantize_matrix(view),
         GgmlType::MXFP4 => crate::mxfp4::quantize_matrix(view),
+        GgmlType::Q8_0 => crate::q8_0::quantize_matrix(view),
         GgmlType::U4B32 | GgmlType::U4B128 => {
             let size = crate::u4_blocks::Size::of(format).expect("a 4-bit block format");
             crate::u4_blocks::quantize_matrix(view, size)

@@ -212,7 +212,7 @@ pub fn lower_without_weights_in_blocks(
     if let Some(other) = blocks.filter(|b| !GgmlType::MADE_FROM_FLOATS.contains(b)) {
         return Err(ModelError::Quantization {
             asked: other.name().to_string(),
-            what: "a model without weights is held in FP8, 4-bit, FP4 or MXFP4 blocks only".into(),
+            what: "a model without weights is held in FP8, 4-bit, FP4, MXFP4 or Q8_0 blocks only".into(),
         });
     }
     build(config, Catalog::Implied { blocks }, options)
