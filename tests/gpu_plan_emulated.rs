@@ -2627,35 +2627,24 @@ fn u4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
     );
 }
 
-/// The same for the FP4 blocks NVFP4 checkpoints are held as (`--quantization modelopt_fp4`
-/// over random weights: `fp4_blocks::quantize_matrix`), every projection of the 64-wide Llama.
+/// The same for blocks of 32 under every projection of the 64-wide Llama: the FP4 blocks NVFP4
+/// checkpoints are held as (`--quantization modelopt_fp4` over random weights:
+/// `fp4_blocks::quantize_matrix`), GGUF's MXFP4 blocks (`mxfp4::quantize_matrix`, decoded as
+/// stored) and the Q8_0 blocks 8-bit integer checkpoints are held as (`q8_0::quantize_matrix`,
+/// ggml's reference quantizer): the GPU check's decode rows in each.
 #[test]
-fn fp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
-    let config = open("llama", ComputeDtype::Bf16).config;
-    let layers = config.layers;
-    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::F4E2M1B32);
-    assert_eq!(made, [("f4_e2m1_b32", 7 * layers)].into());
-}
-
-/// The same for GGUF's MXFP4 blocks (the GPU check's MXFP4 decode rows:
-/// `mxfp4::quantize_matrix`), every projection of the 64-wide Llama, decoded as stored.
-#[test]
-fn mxfp4_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
-    let config = open("llama", ComputeDtype::Bf16).config;
-    let layers = config.layers;
-    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::MXFP4);
-    assert_eq!(made, [("mxfp4", 7 * layers)].into());
-}
-
-/// The same for the Q8_0 blocks 8-bit integer checkpoints are held as (the GPU check's 8-bit
-/// decode rows: `q8_0::quantize_matrix`, ggml's reference quantizer), every projection of the
-/// 64-wide Llama.
-#[test]
-fn q8_0_weights_made_for_the_device_equal_their_host_blocks_uploaded() {
-    let config = open("llama", ComputeDtype::Bf16).config;
-    let layers = config.layers;
-    let made = blocks_made_for_the_device_agree(config, quant::GgmlType::Q8_0);
-    assert_eq!(made, [("q8_0", 7 * layers)].into());
+fn blocks_of_32_made_for_the_device_equal_their_host_blocks_uploaded() {
+    for blocks in [
+        quant::GgmlType::F4E2M1B32,
+        quant::GgmlType::MXFP4,
+        quant::GgmlType::Q8_0,
+    ] {
+        let config = open("llama", ComputeDtype::Bf16).config;
+        let layers = config.layers;
+        let made = blocks_made_for_the_device_agree(config, blocks);
+        let name = quant::tensor::ir_dtype(blocks).name();
+        assert_eq!(made, [(name, 7 * layers)].into(), "{name}");
+    }
 }
 
 /// `config` lowered without weights, its projections in `blocks`, run on an H200 plan with its
