@@ -486,7 +486,6 @@ fn gather_rows<T: Copy>(v: &[T], row_len: usize, picked: &[usize]) -> Vec<T> {
         .collect()
 }
 
-/// The concatenation of each part's storage, which `pick` must recognise as the same kind.
 /// An integer checkpoint's 4-bit matrices are each held in what holds their weights exactly
 /// (Q4_0, Q5_0 or 4-bit blocks: [`Storage::block_rows`]), so the parts of one joined
 /// projection may differ: interleaved ones stack as Q5_0 (Q4_0's weights are Q5_0's), others
@@ -526,6 +525,7 @@ fn stacked_4bit(parts: &[&Matrix]) -> Result<Option<Storage>, String> {
     Ok(Some(Storage::F32(widened)))
 }
 
+/// The concatenation of each part's storage, which `pick` must recognise as the same kind.
 fn collect<'a, T: Clone + 'a>(
     parts: &[&'a Matrix],
     pick: impl Fn(&'a Storage) -> Option<&'a Vec<T>>,
