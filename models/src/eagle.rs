@@ -507,6 +507,12 @@ impl<'a> HeadWeights<'a> {
     pub fn contains(&self, name: &str) -> bool {
         self.describe(name).is_some()
     }
+
+    /// Whether `name`, stored as `dtype`, is in blocks its source holds a checkpoint's weights
+    /// in (`WeightSource::holds_checkpoint_blocks`).
+    pub fn holds_checkpoint_blocks(&self, name: &str, dtype: GgmlType) -> bool {
+        self.source(name).0.holds_checkpoint_blocks(dtype)
+    }
 }
 
 impl Tensors for HeadWeights<'_> {

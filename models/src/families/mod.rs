@@ -538,6 +538,17 @@ impl Catalog<'_> {
         }
     }
 
+    /// Whether matrix `name`, stored as `storage`, stays in its blocks whatever the compute
+    /// dtype: blocks a checkpoint's weights are held as, and implied blocks (what the weights
+    /// are made as).
+    fn keeps_blocks(&self, name: &str, storage: GgmlType) -> bool {
+        match self {
+            Self::Source(source) => source.holds_checkpoint_blocks(storage),
+            Self::WithEagleHead(weights) => weights.holds_checkpoint_blocks(name, storage),
+            Self::Implied { blocks } => *blocks == Some(storage),
+        }
+    }
+
     /// Whether a source holds `name`; implied weights hold every tensor the config names.
     fn contains(&self, name: &str) -> bool {
         match self {
@@ -587,12 +598,9 @@ impl<'w> Builder<'w> {
     /// not read into another type).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;
-        let dtype = match self.weights {
-            // Implied blocks are what the weights are made as: kept whatever the compute dtype.
-            Catalog::Implied { blocks: Some(blocks) } if storage == blocks => ir_dtype(storage),
-            // So are blocks a checkpoint's weights are held as.
-            Catalog::Source(source) if source.holds_checkpoint_blocks(storage) => ir_dtype(storage),
-            _ => matrix_dtype(self.options.compute, storage),
+        let dtype = match self.weights.keeps_blocks(name, storage) {
+            true => ir_dtype(storage),
+            false => matrix_dtype(self.options.compute, storage),
         };
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
