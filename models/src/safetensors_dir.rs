@@ -112,10 +112,9 @@ impl PackedScales {
     /// Of the weight laid out as `layout` with `scales` (read as f32) and its zero points as
     /// stored.
     fn of(scales: &[f32], layout: &PackedLayout, zeros: Option<&[u8]>) -> Self {
-        let f16 = |s: f32| f32::from(half::f16::from_f32(s)) == s;
         Self {
             u4_exact: scales.iter().all(|&s| quant::u4_blocks::exact(s)),
-            q8_0_fit: scales.iter().all(|&s| f16(s)) && layout.fits_q8_0(zeros),
+            q8_0_fit: scales.iter().all(|&s| quant::exact_f16(s).is_some()) && layout.fits_q8_0(zeros),
         }
     }
 }

@@ -386,6 +386,12 @@ const fn stored_table(values: &[i8; 16]) -> [u8; 16] {
     stored
 }
 
+/// `x` as an f16 where that is exactly `x` (a scale GGUF's blocks can keep), else `None`.
+pub fn exact_f16(x: f32) -> Option<f16> {
+    let h = f16::from_f32(x);
+    (h.to_f32() == x).then_some(h)
+}
+
 /// Little-endian f16 at `offset` of a block, as f32.
 #[inline(always)]
 pub fn f16_at(block: &[u8], offset: usize) -> f32 {

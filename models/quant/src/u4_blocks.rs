@@ -159,10 +159,7 @@ pub fn exact(scale: f32) -> bool {
 /// both zero says 8 (every weight 0 whatever its zero point).
 fn f16_zero_point(block: &[u8]) -> Option<(half::f16, u8)> {
     let (scale, offset) = scale_offset(block);
-    let d = half::f16::from_f32(scale);
-    if d.to_f32() != scale {
-        return None;
-    }
+    let d = crate::exact_f16(scale)?;
     if scale == 0.0 {
         return (offset == 0.0).then_some((d, 8));
     }
