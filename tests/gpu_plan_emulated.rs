@@ -1202,8 +1202,9 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 /// Integer checkpoints held as blocks (their levels with their groups' scales and zero
 /// points) run their plans as the CPU backend runs them (4-bit and Q8_0 blocks as it runs the
 /// same weights dequantized: it multiplies those blocks against int8 activations): GPTQ's
-/// 128-wide Llama in groups of 128 (4-bit blocks of 128, its down projection's of 32),
-/// compressed-tensors' symmetric Llama (FP8 blocks of 32) and its 8-bit Llama with bf16
+/// 128-wide Llama in groups of 128 (4-bit blocks of 128, its down projection's of 32), its
+/// act-order Llama (4-bit blocks of its columns by group, each layer's input gathered into
+/// that order), compressed-tensors' symmetric Llama (FP8 blocks of 32) and its 8-bit Llama with bf16
 /// scales (Q8_0 blocks) on Hopper, and compressed-tensors' Qwen3-Next (experts, Gated
 /// DeltaNet, attention in 4-bit blocks; its shared expert's down projection dequantized to
 /// f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a 19-token prompt
@@ -1213,6 +1214,23 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     use quant::GgmlType::{F8E4M3B32, U4B128, U4B32};
     check_held_blocks("llama_gptq_g128", Target::H200, &[U4B128, U4B32], 2e-2);
+    check_held_blocks("llama_gptq_act_order", Target::H200, &[U4B32], 2e-2);
+    let act_order = open_at(&fixture("hf-tiny/llama_gptq_act_order"), ComputeDtype::Native);
+    let graph = fused_for(&act_order.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let plan = gpu::build(&graph, Target::H200, 64).unwrap();
+    let gathers = plan
+        .launches
+        .iter()
+        .filter(|l| l.kernel.starts_with("gather_columns_"))
+        .count();
+    let layers = graph.nodes().iter().filter(|n| n.op.attention().is_some()).count();
+    // q, k and v (k and v joined: the fixture orders q's columns apart), o, gate and up
+    // (joined), down: five gathers a layer.
+    assert_eq!(
+        gathers,
+        5 * layers,
+        "the act-order Llama's plan gathers columns {gathers} times"
+    );
     check_held_blocks("llama_w4a16", Target::H200, &[F8E4M3B32], 2e-2);
     check_held_blocks("qwen3_next_w4a16", Target::RtxPro6000, &[U4B32], 1e-1);
     let w8 = common::checkpoint_copies::with_bf16_scales(&fixture("hf-tiny/llama_w8a16"));

@@ -1325,9 +1325,10 @@ fn fp8_checkpoints_match_hf() {
 /// are whole blocks (of 128 where every 128 columns lie in one group: the 128-wide Llama's
 /// projections but its 160-wide down projection, whose second group is short, held in blocks
 /// of 32) and its scales have at most 20 significant bits (f16's in GPTQ and AWQ,
-/// f32 ones of bf16's precision), as FP8 blocks where the scales are f32's (`llama_w4a16`),
-/// else as the checkpoint's f32 (8 bits, act-order, and Qwen3-Next's shared-expert down
-/// projection of 48 columns): logits at every prompt row and cached step, and greedy ids,
+/// f32 ones of bf16's precision; act-order's columns held by group, each layer's input taken
+/// in that order), as FP8 blocks where the scales are f32's (`llama_w4a16`), else as the
+/// checkpoint's f32 (8 bits, and Qwen3-Next's shared-expert down projection of 48 columns):
+/// logits at every prompt row and cached step, and greedy ids,
 /// through the interpreter and the CPU backend. compressed-tensors' references are
 /// transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
 ///
@@ -1346,7 +1347,7 @@ fn integer_checkpoints_match_hf() {
         ("llama_w8a16", "compressed-tensors", down, F32, 1e-4),
         ("llama_w8a16_int", "compressed-tensors", down, F32, 1e-4),
         ("llama_gptq", "gptq", down, U4B32, 3e-2),
-        ("llama_gptq_act_order", "gptq", down, F32, 1e-4),
+        ("llama_gptq_act_order", "gptq", down, U4B32, 3e-2),
         (
             "llama_gptq_g128",
             "gptq",

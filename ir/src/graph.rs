@@ -309,6 +309,47 @@ mod tests {
         assert!(err.contains("0 hidden-state values for 2 tokens"), "{err}");
     }
 
+    /// A matrix's columns are taken in an i32 order of as many columns: other orders are
+    /// refused by name; the interpreter takes each row's columns in it and refuses an order
+    /// that is no permutation.
+    #[test]
+    fn columns_are_taken_in_an_order() {
+        use crate::reference::{Interpreter, WeightProvider};
+        struct Order(Vec<f32>);
+        impl WeightProvider for Order {
+            fn weight_f32(&self, _: &str) -> Result<std::sync::Arc<crate::Tensor>, String> {
+                Ok(std::sync::Arc::new(crate::Tensor::new(vec![3], self.0.clone())))
+            }
+        }
+        let mut g = Graph::new("t");
+        let _ids = g.input(InputKind::TokenIds);
+        let hidden = g.hidden_states_input(3);
+        let order = g.weight("order", &[3], DType::I32);
+        let taken = g.add(Op::PermuteColumns, &[hidden, order]).unwrap();
+        assert_eq!(g.node(taken).shape, Shape::new([TOKENS, Dim::Const(3)]));
+        for (shape, dtype) in [(3, DType::F32), (4, DType::I32)] {
+            let mut refused = g.clone();
+            let other = refused.weight("other", &[shape], dtype);
+            let err = refused
+                .add(Op::PermuteColumns, &[hidden, other])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("permute_columns") && err.contains("not i32[3]"), "{err}");
+        }
+        g.set_output("taken", taken);
+        let _positions = g.input(InputKind::Positions);
+        let rows = [1., 2., 3., 4., 5., 6.];
+        let out = Interpreter::new(&Order(vec![2., 0., 1.]))
+            .step_with_hidden_states(&g, &[0, 0], &[0, 1], &rows)
+            .unwrap();
+        assert_eq!(out["taken"].data, [3., 1., 2., 6., 4., 5.]);
+        let err = Interpreter::new(&Order(vec![2., 0., 2.]))
+            .step_with_hidden_states(&g, &[0, 0], &[0, 1], &rows)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("column order"), "{err}");
+    }
+
     /// Transposed row groups keep a float weight's type; blocks hold runs of a row, so block-
     /// quantized rows transpose into f32. Picked row groups stay as they are stored.
     #[test]

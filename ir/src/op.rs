@@ -424,6 +424,10 @@ pub enum Op {
     LastToken,
     /// `(x [t, n], b [n]) -> [t, n]`: a linear layer's bias, added to every row.
     AddBias,
+    /// `(x [t, n], order i32[n]) -> [t, n]`: column `j` of each row is `x`'s column
+    /// `order[j]` (`order` a permutation, a weight): the input of a linear layer whose weight's
+    /// columns are held in that order (a GPTQ act-order checkpoint's, its groups made whole).
+    PermuteColumns,
     /// `1 / (1 + e^−x)` per element.
     Sigmoid,
     /// `cap · tanh(x / cap)` per element: Gemma's soft-capping of the final logits.
@@ -583,6 +587,7 @@ impl Op {
             Self::GeluTanh => "gelu_tanh",
             Self::LastToken => "last_token",
             Self::AddBias => "add_bias",
+            Self::PermuteColumns => "permute_columns",
             Self::Sigmoid => "sigmoid",
             Self::SoftCap { .. } => "soft_cap",
             Self::ScaleRows => "scale_rows",
@@ -664,7 +669,7 @@ impl Op {
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
-            Self::AddBias | Self::ScaleRows | Self::ConcatColumns => 2,
+            Self::AddBias | Self::ScaleRows | Self::ConcatColumns | Self::PermuteColumns => 2,
             Self::LayerNorm { .. } => 3,
             Self::SparseMla(spec) => spec.arity(),
             Self::Moe(spec) if spec.has_expert_vector() => 5,
@@ -799,6 +804,16 @@ impl Op {
                     return Err(format!("unit_rms_norm: x {} with group {group}", inputs[0].0));
                 }
                 Ok((Shape::new([t, d]), DType::F32))
+            }
+            Self::PermuteColumns => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                match (inputs[1].0 .0.as_slice(), inputs[1].1) {
+                    ([len], DType::I32) if *len == n => Ok((Shape::new([t, n]), DType::F32)),
+                    _ => Err(format!(
+                        "permute_columns: x {} with an order {}{}, not i32[{n}]",
+                        inputs[0].0, inputs[1].1, inputs[1].0
+                    )),
+                }
             }
             Self::ScaleRows => {
                 let (t, _) = f32_rows(inputs[0].0)?;

@@ -467,6 +467,35 @@ fn gather_column_groups_matches_group_slice() {
     }
 }
 
+/// Each row's columns in an order, from a strided source: the reference's `permute_columns`
+/// of each row's slice, for orders that reverse, shuffle and keep the columns.
+#[test]
+fn gather_columns_matches_permute_columns() {
+    let mut rng = Rng(24);
+    for (rows, width, stride, offset) in [(3, 64, 64, 0), (5, 40, 97, 9)] {
+        let src = rng.vec(rows * stride + offset);
+        let reversed: Vec<usize> = (0..width).rev().collect();
+        let shuffled: Vec<usize> = (0..width).map(|j| (j * 7 + 3) % width).collect();
+        let kept: Vec<usize> = (0..width).collect();
+        for order in [reversed, shuffled, kept] {
+            let index: Vec<i64> = order.iter().map(|&c| c as i64).collect();
+            let mut bufs = HashMap::from([
+                ("src".into(), Array::f32(&src[offset..])),
+                ("order".into(), Array::ints(Ty::I32, &index)),
+                ("out".into(), Array::poisoned(Ty::F32, rows * width)),
+            ]);
+            let scalars = ints(&[
+                ("rows", rows as i64),
+                ("width", width as i64),
+                ("src_stride", stride as i64),
+            ]);
+            run(&gather::gather_columns("columns", "test"), &mut bufs, &scalars).unwrap();
+            let want = ops::permute_columns(&rows_of(&src[offset..], rows, width, stride), &order);
+            assert_eq!(bufs["out"].to_f32().unwrap(), want);
+        }
+    }
+}
+
 /// Two strided sources' rows side by side: the reference's `concat_columns` of each one's
 /// rows (slices of wider rows, as the plan's views hand them over).
 #[test]

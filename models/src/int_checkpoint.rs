@@ -245,6 +245,12 @@ pub struct PackedLayout {
     zero_words: usize,
     /// The listed groups, where they are not `c / group_cols` (act-order).
     pub group_index: Option<Vec<u32>>,
+    /// Where listed groups each take `group_cols` columns (the last one the rest) of a single
+    /// matrix, as GPTQ's act-order lists them: the columns by group, in order within each
+    /// (`input_order[j]` the column held as column `j`). Held so, every group is a run of
+    /// `group_cols` columns again, and blocks are made as for groups in order; the layer's
+    /// input is taken in the same order (the IR's `permute_columns`).
+    pub input_order: Option<Vec<u32>>,
 }
 
 impl PackedLayout {
@@ -347,6 +353,10 @@ impl PackedLayout {
             (None, Some(_)) => cols.div_ceil(groups),
             (None, None) => return Err(format!("{groups} groups do not divide {cols} columns evenly")),
         };
+        let input_order = listed
+            .as_deref()
+            .filter(|_| matrices == 1)
+            .and_then(|listed| columns_by_group(listed, groups, group_cols));
         Ok(Self {
             scheme,
             matrices,
@@ -358,13 +368,25 @@ impl PackedLayout {
             row_words,
             zero_words,
             group_index: listed,
+            input_order,
         })
+    }
+
+    /// Whether every group is a run of `group_cols` columns as the weight is held: groups in
+    /// order, or listed ones held in [`Self::input_order`].
+    pub fn groups_held_in_order(&self) -> bool {
+        self.group_index.is_none() || self.input_order.is_some()
+    }
+
+    /// The stored column held as column `col` ([`Self::input_order`]).
+    fn stored_column(&self, col: usize) -> usize {
+        self.input_order.as_ref().map_or(col, |order| order[col] as usize)
     }
 
     /// Whether the weight can be held as FP8 blocks of 32 (see the module's notes).
     pub fn fits_blocks_of_32(&self) -> bool {
         self.scheme.bits <= 4
-            && self.group_index.is_none()
+            && self.groups_held_in_order()
             && self.cols.is_multiple_of(BLOCK_ELEMS)
             && (self.groups == 1 || self.group_cols.is_multiple_of(BLOCK_ELEMS))
     }
@@ -456,6 +478,7 @@ impl PackedLayout {
     fn scratch(&self) -> Row {
         Row {
             levels: vec![0; self.cols],
+            held: Vec::with_capacity(self.cols),
             zeros: vec![0; self.groups],
             scales: vec![0.0; self.groups],
         }
@@ -477,7 +500,7 @@ impl PackedLayout {
     /// (GPTQ's and AWQ's default) or a scale a row, else of 32.
     pub fn u4_size(&self) -> Option<u4_blocks::Size> {
         let group = (self.groups > 1).then_some(self.group_cols);
-        match self.scheme.bits <= 4 && self.group_index.is_none() {
+        match self.scheme.bits <= 4 && self.groups_held_in_order() {
             true => u4_blocks::Size::widest(self.cols, group),
             false => None,
         }
@@ -511,7 +534,7 @@ impl PackedLayout {
     /// ones where every zero point is 128 (symmetric; `zeros` the zero points as stored).
     pub fn fits_q8_0(&self, zeros: Option<&[u8]>) -> bool {
         let bits = self.scheme.bits;
-        let whole_blocks = self.group_index.is_none()
+        let whole_blocks = self.groups_held_in_order()
             && self.cols.is_multiple_of(BLOCK_ELEMS)
             && (self.groups == 1 || self.group_cols.is_multiple_of(BLOCK_ELEMS));
         let zero_rows = self.matrices * self.rows;
@@ -539,7 +562,8 @@ impl PackedLayout {
 
     /// The weight in blocks of `elems` columns, `bytes` bytes each: `make(levels, zero, scale,
     /// block)` writes each block from its levels with their group's zero point and scale, the
-    /// rows on the pool. Each block must lie in one group.
+    /// rows on the pool, their columns in [`Self::input_order`] where there is one. Each block
+    /// must lie in one group.
     fn in_blocks(
         &self,
         parts: &PackedParts<'_>,
@@ -553,12 +577,17 @@ impl PackedLayout {
             || self.scratch(),
             |row, (at, out)| {
                 self.row(parts, at / self.rows, at % self.rows, row);
+                if let Some(order) = &self.input_order {
+                    row.held.clear();
+                    row.held.extend(order.iter().map(|&c| row.levels[c as usize]));
+                    std::mem::swap(&mut row.levels, &mut row.held);
+                }
                 for (b, (out, levels)) in out
                     .chunks_exact_mut(bytes)
                     .zip(row.levels.chunks_exact(elems))
                     .enumerate()
                 {
-                    let group = self.group(b * elems);
+                    let group = self.group(self.stored_column(b * elems));
                     make(levels, row.zeros[group], row.scales[group], out);
                 }
             },
@@ -591,6 +620,25 @@ impl PackedLayout {
     }
 }
 
+/// The columns by group (`listed[c]` column `c`'s), in order within each, where every group
+/// but the last takes `group_cols` columns and the last the rest; `None` otherwise.
+fn columns_by_group(listed: &[u32], groups: usize, group_cols: usize) -> Option<Vec<u32>> {
+    let mut counts = vec![0usize; groups];
+    for &g in listed {
+        counts[g as usize] += 1;
+    }
+    let fits = counts
+        .iter()
+        .enumerate()
+        .all(|(g, &n)| n == group_cols.min(listed.len().saturating_sub(g * group_cols)));
+    if !fits {
+        return None;
+    }
+    let mut order: Vec<u32> = (0..listed.len() as u32).collect();
+    order.sort_by_key(|&c| listed[c as usize]);
+    Some(order)
+}
+
 /// Word `at` of little-endian 32-bit words.
 fn word(bytes: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(bytes[at * 4..at * 4 + 4].try_into().expect("4 bytes"))
@@ -611,6 +659,8 @@ fn dense_bits(bytes: &[u8], first: usize, stride: usize, bit: usize, bits: usize
 /// One row of a packed weight as [`PackedLayout::row`] reads it.
 struct Row {
     levels: Vec<i32>,
+    /// The levels in the order the weight is held in, where it is not as stored.
+    held: Vec<i32>,
     zeros: Vec<i32>,
     scales: Vec<f32>,
 }
@@ -947,8 +997,13 @@ mod tests {
         }
     }
 
+    /// Act-order groups (GPTQ's `desc_act`: the index sends the columns to the groups out of
+    /// order, `group_cols` to each) are read from the index: dequantized, each element its own
+    /// group's product in its stored place; held in blocks (4-bit, FP8 and Q8_0), the columns
+    /// by group, in order within each, each held column `j` the stored column
+    /// `input_order[j]`. Groups of other sizes have no order and are dequantized only.
     #[test]
-    fn act_order_groups_are_read_from_the_index_and_dequantized() {
+    fn act_order_groups_are_read_from_the_index() {
         let scheme = IntScheme {
             packing: Packing::Gptq { zero_offset: 1 },
             bits: 4,
@@ -966,22 +1021,45 @@ mod tests {
             ..packed.shapes()
         };
         let layout = PackedLayout::of(scheme, &parts, Some(&index)).unwrap();
-        assert!(!layout.fits_blocks_of_32());
         let bytes = packed.parts();
+        let want = |r: usize, c: usize| {
+            let g = c % 2;
+            (q[r * cols + c] as i32 - z[r * 2 + g] as i32) as f32 * s[r * 2 + g]
+        };
         let values = layout.dequantize(&bytes, GgmlType::F32);
         for r in 0..rows {
             for c in 0..cols {
-                let g = c % 2;
-                let want = (q[r * cols + c] as i32 - z[r * 2 + g] as i32) as f32 * s[r * 2 + g];
                 let at = (r * cols + c) * 4;
-                assert_eq!(f32::from_le_bytes(values[at..at + 4].try_into().unwrap()), want);
+                assert_eq!(f32::from_le_bytes(values[at..at + 4].try_into().unwrap()), want(r, c));
             }
         }
+        let order = layout.input_order.clone().expect("two groups of 32 columns");
+        let evens_then_odds: Vec<u32> = (0..32).map(|c| 2 * c).chain((0..32).map(|c| 2 * c + 1)).collect();
+        assert_eq!(order, evens_then_odds);
+        assert!(layout.fits_blocks_of_32() && layout.fits_q8_0(bytes.zeros));
+        assert_eq!(layout.u4_size(), Some(u4_blocks::Size::Of32));
+        for (dtype, blocks) in [
+            (GgmlType::U4B32, layout.u4_blocks(&bytes, u4_blocks::Size::Of32)),
+            (GgmlType::F8E4M3B32, layout.blocks_of_32(&bytes)),
+            (GgmlType::Q8_0, layout.q8_0_blocks(&bytes)),
+        ] {
+            let mut held = vec![0f32; rows * cols];
+            dtype.dequantize(&blocks, &mut held);
+            for r in 0..rows {
+                for (j, &c) in order.iter().enumerate() {
+                    assert_eq!(held[r * cols + j], want(r, c as usize), "{dtype:?} ({r}, {j})");
+                }
+            }
+        }
+        // Groups of 40 and 24 columns take no order: dequantized only.
+        let uneven: Vec<i64> = (0..cols as i64).map(|c| i64::from(c % 8 >= 5)).collect();
+        let layout = PackedLayout::of(scheme, &parts, Some(&uneven)).unwrap();
+        assert!(layout.input_order.is_none() && !layout.fits_blocks_of_32() && layout.u4_size().is_none());
+        assert!(!layout.fits_q8_0(bytes.zeros));
         // An index in order is no index.
         let in_order: Vec<i64> = (0..cols as i64).map(|c| c / 32).collect();
-        assert!(PackedLayout::of(scheme, &parts, Some(&in_order))
-            .unwrap()
-            .fits_blocks_of_32());
+        let layout = PackedLayout::of(scheme, &parts, Some(&in_order)).unwrap();
+        assert!(layout.group_index.is_none() && layout.input_order.is_none() && layout.fits_blocks_of_32());
         let beyond: Vec<i64> = (0..cols as i64).map(|c| c / 16).collect();
         assert!(PackedLayout::of(scheme, &parts, Some(&beyond))
             .unwrap_err()

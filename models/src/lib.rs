@@ -30,7 +30,7 @@ pub use families::{
 pub use generation_defaults::GenerationDefaults;
 pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec, Speculative};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
-pub use weights::{MemoryTensor, TensorView, WeightSource};
+pub use weights::{input_order_name, MemoryTensor, TensorView, WeightSource};
 
 use std::path::{Path, PathBuf};
 

@@ -84,6 +84,8 @@ enum MadeFrom {
     },
     /// A float weight quantized to FP8 blocks as it loads (`fp8_on_load`).
     QuantizedOnLoad(SafetensorsEntry),
+    /// The order a packed weight's columns are held in (`PackedLayout::input_order`), as i32s.
+    ColumnOrder(Vec<u32>),
 }
 
 pub struct SafetensorsDir {
@@ -371,12 +373,31 @@ impl SafetensorsDir {
                     group_index: group_index.as_ref().map(|g| &g.stored_shape[..]),
                     shape,
                 };
-                let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
+                let mut layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
+                // An expert's input is the routed layer's own: only plain linear layers take
+                // theirs in a held order.
+                if prefix.contains(".experts.") {
+                    layout.input_order = None;
+                }
                 let zeros_stored = zeros.as_ref().map(|z| self.raw(z));
                 let facts = PackedScales::of(&self.floats(&scales), &layout, zeros_stored);
+                let held_as = read_as(&layout, facts);
+                if let Some(order) = layout
+                    .input_order
+                    .clone()
+                    .filter(|_| held_as.is_checkpoint_blocks() || held_as == GgmlType::Q8_0)
+                {
+                    let order = MadeWeight {
+                        shape: vec![order.len()],
+                        read_as: GgmlType::I32,
+                        from: MadeFrom::ColumnOrder(order),
+                        values: OnceLock::new(),
+                    };
+                    self.made.insert(crate::input_order_name(&part("weight")), order);
+                }
                 let weight = MadeWeight {
                     shape: matrix_shape(layout.shape()),
-                    read_as: read_as(&layout, facts),
+                    read_as: held_as,
                     from: MadeFrom::Packed {
                         layout,
                         levels,
@@ -546,6 +567,7 @@ impl SafetensorsDir {
                     dtype => fp4.dequantize(codes, scales, *global, dtype),
                 }
             }
+            MadeFrom::ColumnOrder(order) => order.iter().flat_map(|&c| (c as i32).to_le_bytes()).collect(),
             MadeFrom::QuantizedOnLoad(stored) => fp8_on_load::quantize(&TensorView {
                 shape: &stored.shape,
                 dtype: stored.dtype,
@@ -554,9 +576,14 @@ impl SafetensorsDir {
         }
     }
 
-    /// The bytes of weights made so far and held.
+    /// The bytes of weights made so far and held (column orders, four bytes a column that
+    /// lowering reads, are no weight's copy and are not counted).
     pub fn converted_bytes(&self) -> usize {
-        self.made.values().filter_map(|w| w.values.get()).map(Vec::len).sum()
+        let weights = self
+            .made
+            .values()
+            .filter(|w| !matches!(w.from, MadeFrom::ColumnOrder(_)));
+        weights.filter_map(|w| w.values.get()).map(Vec::len).sum()
     }
 
     /// Frees the values of weights made so far (a backend that copied them holds its own); a

@@ -263,6 +263,14 @@ impl WeightSource {
     }
 }
 
+/// The name of the order weight `weight`'s columns are held in, where they are not as stored
+/// (a GPTQ act-order checkpoint's: `int_checkpoint::PackedLayout::input_order`), an i32
+/// vector beside it: its layer takes its input's columns in that order (the IR's
+/// `permute_columns`).
+pub fn input_order_name(weight: &str) -> String {
+    format!("{weight}.input_order")
+}
+
 /// A tensor of more than two dims as a matrix, the bytes the same (bbc addresses every weight
 /// as a vector or a matrix): without its dims of 1 (a depthwise convolution's `[channels, 1,
 /// kernel]`), then with its leading dims as rows (an MoE layer's experts stacked, `[experts,

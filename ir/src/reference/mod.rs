@@ -275,6 +275,11 @@ impl<'w> Interpreter<'w> {
             Op::Sigmoid => map(args[0].tensor(), ops::sigmoid),
             Op::SoftCap { cap } => map(args[0].tensor(), |x| ops::soft_cap(x, *cap)),
             Op::SharedKvAttention(spec) => self.attend_shared(spec, args[0].tensor(), positions),
+            Op::PermuteColumns => {
+                let (x, order) = (args[0].tensor(), args[1].tensor());
+                let order = ops::column_order(&order.data).map_err(InterpError::Input)?;
+                Tensor::new(x.shape.clone(), ops::permute_columns(&x.data, &order))
+            }
             Op::ScaleRows => {
                 let (x, scalars) = (args[0].tensor(), args[1].tensor());
                 Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), &scalars.data))

@@ -371,6 +371,32 @@ pub fn group_slice(x: &[f32], group: usize, start: usize, len: usize) -> Vec<f32
 
 /// Each row of `x` (rows of `row_len`) times its scalar, or all times `scalars[0]` when there
 /// is one scalar for all.
+/// A column order read from a weight's values (as the interpreter and the CPU backend
+/// read every weight: f32, each index exact), or why it is no permutation of its columns.
+pub fn column_order(values: &[f32]) -> Result<Vec<usize>, String> {
+    let mut seen = vec![false; values.len()];
+    let mut order = Vec::with_capacity(values.len());
+    for &v in values {
+        let at = v as usize;
+        if v.fract() != 0.0 || v < 0.0 || at >= values.len() || std::mem::replace(&mut seen[at], true) {
+            return Err(format!(
+                "a column order of {} names column {v} twice or out of range",
+                values.len()
+            ));
+        }
+        order.push(at);
+    }
+    Ok(order)
+}
+
+/// Each row of `x` (rows of `order.len()`) with its columns in `order`: column `j` of a row
+/// is its column `order[j]`.
+pub fn permute_columns(x: &[f32], order: &[usize]) -> Vec<f32> {
+    x.chunks_exact(order.len())
+        .flat_map(|row| order.iter().map(|&c| row[c]))
+        .collect()
+}
+
 pub fn scale_rows(x: &[f32], row_len: usize, scalars: &[f32]) -> Vec<f32> {
     x.chunks_exact(row_len.max(1))
         .enumerate()
@@ -669,6 +695,25 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A column order read from a weight's values takes each column once; anything else
+    /// (a column twice, one out of range, a fraction, a negative, NaN) is refused. Rows take
+    /// their columns in it.
+    #[test]
+    fn columns_are_taken_in_an_order_that_names_each_once() {
+        assert_eq!(column_order(&[2.0, 0.0, 1.0]), Ok(vec![2, 0, 1]));
+        for bad in [
+            [2.0, 0.0, 2.0],
+            [3.0, 0.0, 1.0],
+            [0.5, 1.0, 2.0],
+            [-1.0, 1.0, 2.0],
+            [f32::NAN, 1.0, 2.0],
+        ] {
+            assert!(column_order(&bad).is_err(), "{bad:?}");
+        }
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        assert_eq!(permute_columns(&x, &[2, 0, 1]), [3.0, 1.0, 2.0, 6.0, 4.0, 5.0]);
+    }
 
     /// Rows normalised four at a time give each row the bits it gets alone: every row count
     /// from one to nine (whole sets of four and the rest), values of many magnitudes.

@@ -6,6 +6,9 @@
 //! - Column groups (the IR's `group_slice`): columns `start..start + len` of every group of
 //!   `group` columns, side by side; Qwen3.5's query projection interleaves each head's query
 //!   and output gate, and this splits them.
+//! - Columns in an order (the IR's `permute_columns`): `out[t, j] = src[t, order[j]]`, the
+//!   input of a linear layer whose weight's columns are held in that order (a GPTQ act-order
+//!   checkpoint's, regrouped so that each block of a row lies in one group).
 //! - Columns side by side (the IR's `concat_columns`): two values' rows joined into one
 //!   wider row, as a multi-token prediction head joins a token's embedding and the target's
 //!   hidden state before projecting them.
@@ -73,6 +76,33 @@ pub fn gather_column_groups(name: &str, origin: &str) -> Kernel {
                 ),
                 store("out", var("i"), load("src", var("t") * var("src_stride") + var("col"))),
             ],
+        ),
+    }
+}
+
+/// `out[t, j] = src[t·src_stride + order[j]]` for `rows` rows of `width` columns.
+pub fn gather_columns(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: gather columns in an order"),
+        params: vec![
+            buffer("src", Ty::F32, false),
+            buffer("order", Ty::I32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("src_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
+        body: per_row_element(
+            var("rows") * var("width"),
+            vec![store(
+                "out",
+                var("i"),
+                load("src", var("t") * var("src_stride") + load("order", var("j"))),
+            )],
         ),
     }
 }

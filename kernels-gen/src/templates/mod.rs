@@ -899,6 +899,7 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         gather::gather_column_groups("gather_column_groups", "catalog"),
         gather::concat_columns("concat_columns", "catalog"),
+        gather::gather_columns("gather_columns", "catalog"),
         // A drafter's 4-bit shortlist rescored against a bf16 head.
         shortlist::rescore(
             "shortlist_rescore_bf16",

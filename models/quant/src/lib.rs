@@ -97,6 +97,9 @@ pub enum GgmlType {
     /// bbc's own ([`fp4_blocks`]): FP4 E2M1 codes in blocks of 32 with an f32 scale for each
     /// 16, as an NVFP4 checkpoint's weights are held.
     F4E2M1B32 = 1003,
+    /// 32-bit signed integers (ggml's I32): indices bbc makes beside weights, such as the
+    /// column order of a GPTQ act-order checkpoint's weights. No GGUF file is read as it.
+    I32 = 26,
 }
 
 impl GgmlType {
@@ -188,13 +191,14 @@ impl GgmlType {
             Self::U4B32 => "U4_B32",
             Self::U4B128 => "U4_B128",
             Self::F4E2M1B32 => "F4_E2M1_B32",
+            Self::I32 => "I32",
         }
     }
 
     /// (elements, bytes) of one block; plain float types are blocks of one element.
     pub fn block_layout(self) -> (usize, usize) {
         match self {
-            Self::F32 => (1, 4),
+            Self::F32 | Self::I32 => (1, 4),
             Self::F16 | Self::BF16 => (1, 2),
             Self::Q4_0 => (Q4_0::BLOCK_ELEMS, Q4_0::BLOCK_BYTES),
             Self::Q4_1 => (Q4_1::BLOCK_ELEMS, Q4_1::BLOCK_BYTES),
@@ -255,6 +259,12 @@ impl GgmlType {
             Self::F32 => {
                 for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
                     *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            // Indices, each exactly an f32 below 2^24.
+            Self::I32 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                    *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
                 }
             }
             Self::F16 => {
@@ -330,7 +340,14 @@ impl GgmlType {
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
             Self::MXFP4 => dot_blocks::<MXFP4>(data, x),
-            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::F4E2M1B32 | Self::U4B32 | Self::U4B128 => {
+            Self::F32
+            | Self::F16
+            | Self::BF16
+            | Self::I32
+            | Self::F8E4M3B32
+            | Self::F4E2M1B32
+            | Self::U4B32
+            | Self::U4B128 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
                 row.iter().zip(x).map(|(a, b)| a * b).sum()

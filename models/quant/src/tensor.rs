@@ -96,6 +96,7 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::U4B32 => ir::DType::U4B32,
         GgmlType::U4B128 => ir::DType::U4B128,
         GgmlType::F4E2M1B32 => ir::DType::F4E2M1B32,
+        GgmlType::I32 => ir::DType::I32,
     }
 }
 

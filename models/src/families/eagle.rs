@@ -1,6 +1,6 @@
 //! An EAGLE head's draft step as a graph (see `crate::eagle` for what each method computes).
 
-use super::{graph_error, Builder, Catalog, LowerOptions, Naming};
+use super::{Builder, Catalog, LowerOptions, Naming};
 use crate::config::ModelConfig;
 use crate::eagle::{EagleHead, EagleMethod, HeadWeights};
 use crate::error::Result;
@@ -87,6 +87,5 @@ pub(crate) fn lower_eagle(
             )?;
         }
     }
-    b.graph.validate().map_err(graph_error)?;
-    Ok(b.graph)
+    b.finish()
 }

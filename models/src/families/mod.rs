@@ -22,6 +22,7 @@ pub(crate) use eagle::lower_eagle;
 use ir::{DType, Graph, NodeId, Op};
 pub use mtp::{lower_mtp, lower_mtp_without_weights, with_hidden_states};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// What the graph computes logits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,8 +234,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Family::Gemma4 => gemma4::lower(config, &mut b)?,
         Family::GlmMoeDsa => glm_moe_dsa::lower(config, &mut b)?,
     }
-    b.graph.validate().map_err(graph_error)?;
-    Ok(b.graph)
+    b.finish()
 }
 
 /// `graph` (with a `logits` output) that also outputs `next_token`, the argmax of each logits
@@ -529,6 +529,15 @@ impl Catalog<'_> {
         }
     }
 
+    /// A tensor as its source reads it (`None` without a source).
+    fn tensor(&self, name: &str) -> Option<crate::TensorView<'_>> {
+        match self {
+            Self::Source(weights) => weights.get(name),
+            Self::WithEagleHead(weights) => quant::tensor::Tensors::tensor(weights, name),
+            Self::Implied { .. } => None,
+        }
+    }
+
     /// A tensor's type and shape in a source of weights (`None` without one).
     fn describe(&self, name: &str) -> Option<(GgmlType, &[usize])> {
         match self {
@@ -572,6 +581,13 @@ pub(crate) struct Builder<'w> {
     /// The first layer whose attention has a cache slot (slot 0): a multi-token prediction
     /// graph of layers numbered after the model's keeps its caches from slot 0.
     pub first_cached_layer: usize,
+    /// Matrices whose columns are held in an order (`crate::input_order_name`), with the
+    /// weight of that order: one node for each distinct order, by its bytes (a layer's q, k
+    /// and v projections share theirs, so they still join).
+    ordered: BTreeMap<NodeId, NodeId>,
+    input_orders: Vec<(Vec<u8>, NodeId)>,
+    /// Each activation taken in each order once.
+    permuted: BTreeMap<(NodeId, NodeId), NodeId>,
 }
 
 impl<'w> Builder<'w> {
@@ -589,6 +605,80 @@ impl<'w> Builder<'w> {
             cache_dtype: options.kv_cache.resolve(options.compute, matrices),
             options,
             first_cached_layer: 0,
+            ordered: BTreeMap::new(),
+            input_orders: Vec::new(),
+            permuted: BTreeMap::new(),
+        }
+    }
+
+    /// The graph, checked: valid, and every matrix held in an order multiplied by inputs taken
+    /// in it.
+    pub fn finish(self) -> Result<Graph> {
+        self.graph.validate().map_err(graph_error)?;
+        for (&w, &order) in &self.ordered {
+            if !self.read_in_order(w, order) {
+                let Op::Weight { name } = &self.graph.node(w).op else {
+                    unreachable!("ordered nodes are weights")
+                };
+                return Err(ModelError::TensorShape {
+                    name: name.clone(),
+                    what: "holds its columns by group (a GPTQ act-order checkpoint's), which bbc multiplies in \
+                           linear layers only, and this model reads it elsewhere; read the checkpoint into a float \
+                           type instead (`--dtype bfloat16` or `float32`)"
+                        .into(),
+                });
+            }
+        }
+        Ok(self.graph)
+    }
+
+    /// Whether every use of `node` (a matrix or rows of one) multiplies an input taken in
+    /// `order`.
+    fn read_in_order(&self, node: NodeId, order: NodeId) -> bool {
+        let nodes = self.graph.nodes();
+        nodes.iter().enumerate().all(|(user, n)| {
+            n.inputs
+                .iter()
+                .enumerate()
+                .filter(|&(_, &i)| i == node)
+                .all(|(k, _)| match n.op {
+                    Op::MatMul => {
+                        let x = self.graph.node(n.inputs[0]);
+                        k == 1 && matches!(x.op, Op::PermuteColumns) && x.inputs[1] == order
+                    }
+                    Op::RowGroupSlice { .. } | Op::ConcatRows => self.read_in_order(NodeId(user), order),
+                    _ => false,
+                })
+        })
+    }
+
+    /// The order node of matrix `name`'s held column order, one per distinct order; `None`
+    /// where its columns are as stored.
+    fn input_order(&mut self, name: &str) -> Option<NodeId> {
+        let order_name = crate::input_order_name(name);
+        let (bytes, cols) = {
+            let view = self.weights.tensor(&order_name)?;
+            (view.bytes.to_vec(), view.shape[0])
+        };
+        if let Some((_, node)) = self.input_orders.iter().find(|(b, _)| *b == bytes) {
+            return Some(*node);
+        }
+        let node = self.graph.weight(order_name, &[cols], DType::I32);
+        self.input_orders.push((bytes, node));
+        Some(node)
+    }
+
+    /// The order the columns of matrix `w` are held in: its own, its rows' (`row_group_slice`)
+    /// or its parts' where they share one (`concat_rows`).
+    fn order_of(&self, w: NodeId) -> Option<NodeId> {
+        let node = self.graph.node(w);
+        match node.op {
+            Op::RowGroupSlice { .. } => self.order_of(node.inputs[0]),
+            Op::ConcatRows => {
+                let orders: Vec<Option<NodeId>> = node.inputs.iter().map(|&p| self.order_of(p)).collect();
+                orders.iter().all(|o| *o == orders[0]).then_some(orders[0]).flatten()
+            }
+            _ => self.ordered.get(&w).copied(),
         }
     }
 
@@ -602,7 +692,11 @@ impl<'w> Builder<'w> {
             true => ir_dtype(storage),
             false => matrix_dtype(self.options.compute, storage),
         };
-        Ok(self.graph.weight(name, &[rows, cols], dtype))
+        let w = self.graph.weight(name, &[rows, cols], dtype);
+        if let Some(order) = self.input_order(name) {
+            self.ordered.insert(w, order);
+        }
+        Ok(w)
     }
 
     /// Whether the weights hold a tensor `name` (never, lowering without weights).
@@ -634,7 +728,19 @@ impl<'w> Builder<'w> {
         self.graph.add(op, inputs).map_err(graph_error)
     }
 
+    /// `x · wᵀ`; where `w`'s columns are held in an order, `x`'s taken in it.
     pub fn matmul(&mut self, x: NodeId, w: NodeId) -> Result<NodeId> {
+        let x = match self.order_of(w) {
+            Some(order) => match self.permuted.get(&(x, order)) {
+                Some(&taken) => taken,
+                None => {
+                    let taken = self.op(Op::PermuteColumns, &[x, order])?;
+                    self.permuted.insert((x, order), taken);
+                    taken
+                }
+            },
+            None => x,
+        };
         self.op(Op::MatMul, &[x, w])
     }
 
@@ -816,5 +922,71 @@ mod tests {
         assert_eq!(ComputeDtype::F16.round(s), 25.296875);
         assert_eq!(ComputeDtype::F32.round(s), s);
         assert_eq!(ComputeDtype::Native.round(s), s);
+    }
+
+    /// Matrices whose columns are held in an order multiply their input taken in it: one
+    /// order weight and one `permute_columns` for matrices of the same order over the same
+    /// input, another for another order, none for a matrix as stored; a graph reading such a
+    /// matrix any other way is refused, naming it.
+    #[test]
+    fn matrices_held_in_an_order_multiply_inputs_taken_in_it() {
+        use super::*;
+        use quant::tensor::{MemoryTensor, MemoryTensors};
+        let matrix = |rows: usize| MemoryTensor {
+            shape: vec![rows, 8],
+            dtype: GgmlType::F32,
+            bytes: vec![0; rows * 8 * 4],
+        };
+        let order = |order: [i32; 8]| MemoryTensor {
+            shape: vec![8],
+            dtype: GgmlType::I32,
+            bytes: order.iter().flat_map(|c| c.to_le_bytes()).collect(),
+        };
+        let mut tensors = MemoryTensors::new();
+        for (name, rows) in [("k", 4), ("v", 4), ("o", 8), ("plain", 2)] {
+            tensors.insert(name.into(), matrix(rows));
+        }
+        let reversed = [7, 6, 5, 4, 3, 2, 1, 0];
+        tensors.insert(crate::input_order_name("k"), order(reversed));
+        tensors.insert(crate::input_order_name("v"), order(reversed));
+        tensors.insert(crate::input_order_name("o"), order([1, 0, 3, 2, 5, 4, 7, 6]));
+        let source = WeightSource::Memory(tensors);
+        let options = LowerOptions {
+            logits: LogitsFor::LastToken,
+            compute: ComputeDtype::F32,
+            kv_cache: KvCacheDtype::default(),
+        };
+        let builder = || Builder::new("ordered", Catalog::Source(&source), Naming::Hf(HfPrefix::Text), options);
+        let mut b = builder();
+        let x = b.graph.hidden_states_input(8);
+        for name in ["k", "v", "o", "plain"] {
+            let rows = source.describe(name).unwrap().1[0];
+            let w = b.matrix(name, rows, 8).unwrap();
+            let y = b.matmul(x, w).unwrap();
+            b.graph.set_output(name, y);
+        }
+        let graph = b.finish().unwrap();
+        let text = graph.to_text();
+        assert_eq!(text.matches("permute_columns(").count(), 2, "{text}");
+        assert_eq!(text.matches(".input_order\" : i32[8]").count(), 2, "{text}");
+        let taken = |name: &str| graph.node(graph.node(graph.output(name).unwrap()).inputs[0]).op.clone();
+        assert_eq!(taken("k"), Op::PermuteColumns);
+        assert_eq!(
+            graph.node(graph.output("k").unwrap()).inputs[0],
+            graph.node(graph.output("v").unwrap()).inputs[0]
+        );
+        assert_ne!(
+            graph.node(graph.output("k").unwrap()).inputs[0],
+            graph.node(graph.output("o").unwrap()).inputs[0]
+        );
+        assert_eq!(taken("plain"), Op::Input(ir::InputKind::HiddenStates));
+        // An ordered matrix read as a table, not multiplied.
+        let mut b = builder();
+        let ids = b.graph.input(ir::InputKind::TokenIds);
+        let table = b.matrix("o", 8, 8).unwrap();
+        let rows = b.op(Op::Embedding, &[table, ids]).unwrap();
+        b.graph.set_output("rows", rows);
+        let err = b.finish().unwrap_err().to_string();
+        assert!(err.contains("tensor `o`") && err.contains("act-order"), "{err}");
     }
 }

@@ -73,8 +73,7 @@ fn build_mtp(config: &ModelConfig, weights: Catalog<'_>, naming: Naming, options
             )))
         }
     }
-    b.graph.validate().map_err(graph_error)?;
-    Ok(b.graph)
+    b.finish()
 }
 
 /// `graph` whose `hidden` output (the normed state its LM head reads) is also output for

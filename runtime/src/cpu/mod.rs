@@ -536,6 +536,11 @@ impl CpuBackend {
                 attention::attention(spec, &q.data, &query, pages.layer(spec.cache_slot), &mut out);
                 Tensor::new(q.shape.clone(), out)
             }
+            Op::PermuteColumns => {
+                let x = args[0].value().tensor();
+                let order = ops::column_order(args[1].vector()).map_err(RuntimeError::Weight)?;
+                Tensor::new(x.shape.clone(), ops::permute_columns(&x.data, &order))
+            }
             Op::ScaleRows => {
                 let x = args[0].value().tensor();
                 let scalars = match &args[1] {

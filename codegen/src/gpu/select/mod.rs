@@ -464,6 +464,18 @@ pub(crate) fn select(
                         ];
                         (gather::gather_column_groups("group_slice", &graph.name), args)
                     }
+                    Op::PermuteColumns => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            weight(1),
+                            out,
+                            scalar("rows", &rows),
+                            scalar("width", width(graph, i)),
+                            scalar("src_stride", stride),
+                        ];
+                        (gather::gather_columns("gather_columns", &graph.name), args)
+                    }
                     Op::ConcatColumns => {
                         let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
                         let args = vec![

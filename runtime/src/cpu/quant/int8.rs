@@ -415,6 +415,7 @@ impl UnpackedRow {
             GgmlType::F32
             | GgmlType::F16
             | GgmlType::BF16
+            | GgmlType::I32
             | GgmlType::F8E4M3B32
             | GgmlType::U4B32
             | GgmlType::U4B128
