@@ -888,10 +888,13 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Whatever the levels, zero points and scales, every element read back is
         /// `(q − z) · s` of its own row and group (compressed-tensors' signed levels less the
-        /// offset), and the FP8, 4-bit and Q8_0 blocks hold the same products.
+        /// offset), and the FP8, 4-bit and Q8_0 blocks hold the same products; with act-order
+        /// groups (a random order's runs of `group_cols` columns, listed), a single matrix's
+        /// blocks hold them in `input_order`, experts' none.
         #[test]
         fn every_element_is_its_level_less_its_zero_times_its_scale(
             which in 0usize..10,
+            act_order in any::<bool>(),
             experts in 1usize..3,
             row_octets in 1usize..3,
             col_blocks in 1usize..6,
@@ -934,7 +937,38 @@ mod tests {
                 .map(|s| if short { half::f16::from_f32(s).to_f32() } else { s })
                 .collect();
             let packed = pack(scheme, matrices, rows, cols, group_cols, &q, with_zeros.then_some(&z_values[..]), &s);
-            let layout = layout(scheme, &packed);
+            // Act-order: the columns quantized in a random order, each run of `group_cols` of
+            // it a group.
+            let mut quantized: Vec<usize> = (0..cols).collect();
+            for i in (1..cols).rev() {
+                quantized.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let mut group_of: Vec<usize> = (0..cols).map(|c| c / group_cols).collect();
+            if act_order {
+                for (at, &c) in quantized.iter().enumerate() {
+                    group_of[c] = at / group_cols;
+                }
+            }
+            let listed = group_of.iter().enumerate().any(|(c, &g)| g != c / group_cols);
+            let layout = match act_order {
+                true => {
+                    let index: Vec<i64> = group_of.iter().map(|&g| g as i64).collect();
+                    let shapes = PartShapes { group_index: Some(&[cols]), ..packed.shapes() };
+                    PackedLayout::of(scheme, &shapes, Some(&index)).expect("a layout")
+                }
+                false => layout(scheme, &packed),
+            };
+            prop_assert_eq!(layout.group_index.is_some(), listed);
+            prop_assert_eq!(layout.input_order.is_some(), listed && matrices == 1);
+            let held_in_order = !listed || matrices == 1;
+            // The stored column each held column is.
+            let order: Vec<usize> = match &layout.input_order {
+                Some(order) => order.iter().map(|&c| c as usize).collect(),
+                None => (0..cols).collect(),
+            };
+            let held = |values: &[f32]| -> Vec<f32> {
+                values.chunks_exact(cols).flat_map(|row| order.iter().map(|&c| row[c])).collect()
+            };
             prop_assert_eq!(layout.shape(), lead(matrices, vec![rows, cols]));
             let parts = packed.parts();
             let values: Vec<f32> = layout
@@ -946,14 +980,15 @@ mod tests {
             for m in 0..matrices {
                 for r in 0..rows {
                     for c in 0..cols {
-                        let g = c / group_cols;
+                        let g = group_of[c];
                         let zero = if with_zeros { z_values[(m * rows + r) * groups + g] as i32 } else { offset };
                         let want = (q[(m * rows + r) * cols + c] as i32 - zero) as f32 * s[(m * rows + r) * groups + g];
                         prop_assert_eq!(values[(m * rows + r) * cols + c].to_bits(), want.to_bits(), "{:?} ({}, {}, {})", scheme, m, r, c);
                     }
                 }
             }
-            prop_assert_eq!(layout.fits_blocks_of_32(), scheme.bits <= 4 && group_cols % 32 == 0);
+            let values = held(&values);
+            prop_assert_eq!(layout.fits_blocks_of_32(), held_in_order && scheme.bits <= 4 && group_cols % 32 == 0);
             if layout.fits_blocks_of_32() {
                 let blocks = layout.blocks_of_32(&parts);
                 let mut widened = vec![0f32; values.len()];
@@ -963,7 +998,7 @@ mod tests {
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
             // Blocks of 128 where every 128 columns lie in a group, else of 32 where 32 do.
-            let widest = match (scheme.bits <= 4, cols % 128 == 0 && group_cols % 128 == 0, group_cols % 32 == 0) {
+            let widest = match (scheme.bits <= 4 && held_in_order, cols % 128 == 0 && group_cols % 128 == 0, group_cols % 32 == 0) {
                 (true, true, _) => Some(u4_blocks::Size::Of128),
                 (true, false, true) => Some(u4_blocks::Size::Of32),
                 _ => None,
@@ -985,7 +1020,7 @@ mod tests {
             // up to 7 bits, or every zero point 128.
             let zeros_at_128 = (0..matrices * rows * groups)
                 .all(|i| if with_zeros { z_values[i] == 128 } else { offset == 128 });
-            let fits_q8_0 = group_cols % 32 == 0 && (scheme.bits <= 7 || zeros_at_128);
+            let fits_q8_0 = held_in_order && group_cols % 32 == 0 && (scheme.bits <= 7 || zeros_at_128);
             prop_assert_eq!(layout.fits_q8_0(parts.zeros), fits_q8_0);
             if fits_q8_0 && short {
                 let blocks = layout.q8_0_blocks(&parts);
