@@ -22,12 +22,31 @@ pub fn gather_rows(name: &str, origin: &str) -> Kernel {
 
 /// [`gather_rows`] of elements of type `ty`.
 pub fn gather_rows_of(name: &str, origin: &str, ty: Ty) -> Kernel {
+    let from = load("index", var("t")) * var("src_stride") + var("j");
+    indexed_gather(name, format!("{origin}: gather rows by index"), ty, "index", from)
+}
+
+/// `out[t, j] = src[t·src_stride + order[j]]` for `rows` rows of `width` columns.
+pub fn gather_columns(name: &str, origin: &str) -> Kernel {
+    let from = var("t") * var("src_stride") + load("order", var("j"));
+    indexed_gather(
+        name,
+        format!("{origin}: gather columns in an order"),
+        Ty::F32,
+        "order",
+        from,
+    )
+}
+
+/// `out[t, j] = src[from]` for `rows` rows of `width` elements of `ty`, `from` an index into
+/// `src` (rows `src_stride` apart) through the i32 buffer `index`.
+fn indexed_gather(name: &str, origin: String, ty: Ty, index: &str, from: Expr) -> Kernel {
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: gather rows by index"),
+        origin,
         params: vec![
             buffer("src", ty, false),
-            buffer("index", Ty::I32, false),
+            buffer(index, Ty::I32, false),
             buffer("out", ty, true),
             scalar("rows", Ty::I32),
             scalar("width", Ty::I32),
@@ -38,11 +57,7 @@ pub fn gather_rows_of(name: &str, origin: &str, ty: Ty) -> Kernel {
         grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
         body: per_row_element(
             var("rows") * var("width"),
-            vec![store(
-                "out",
-                var("i"),
-                load("src", load("index", var("t")) * var("src_stride") + var("j")),
-            )],
+            vec![store("out", var("i"), load("src", from))],
         ),
     }
 }
@@ -76,33 +91,6 @@ pub fn gather_column_groups(name: &str, origin: &str) -> Kernel {
                 ),
                 store("out", var("i"), load("src", var("t") * var("src_stride") + var("col"))),
             ],
-        ),
-    }
-}
-
-/// `out[t, j] = src[t·src_stride + order[j]]` for `rows` rows of `width` columns.
-pub fn gather_columns(name: &str, origin: &str) -> Kernel {
-    Kernel {
-        name: name.into(),
-        origin: format!("{origin}: gather columns in an order"),
-        params: vec![
-            buffer("src", Ty::F32, false),
-            buffer("order", Ty::I32, false),
-            buffer("out", Ty::F32, true),
-            scalar("rows", Ty::I32),
-            scalar("width", Ty::I32),
-            scalar("src_stride", Ty::I32),
-        ],
-        shared: vec![],
-        block_dim: BLOCK,
-        grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
-        body: per_row_element(
-            var("rows") * var("width"),
-            vec![store(
-                "out",
-                var("i"),
-                load("src", var("t") * var("src_stride") + load("order", var("j"))),
-            )],
         ),
     }
 }
