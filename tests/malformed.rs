@@ -852,3 +852,37 @@ fn unreadable_fp4_checkpoints_are_named() {
         assert_quantized_refused(dir, &config, quantization, &tensors, needle);
     }
 }
+
+/// A column order that names a column twice or none past the row is refused when the CPU
+/// backend loads the graph, naming the node; one naming each column once loads.
+#[test]
+fn column_orders_that_are_no_permutation_are_refused_on_load() {
+    use ir::{DType, Graph, InputKind, Op};
+    use models::quant::{tensor::MemoryTensor, tensor::MemoryTensors, GgmlType};
+    let mut graph = Graph::new("ordered");
+    let _ids = graph.input(InputKind::TokenIds);
+    let hidden = graph.hidden_states_input(4);
+    let order = graph.weight("order", &[4], DType::I32);
+    let taken = graph.add(Op::PermuteColumns, &[hidden, order]).unwrap();
+    graph.set_output("taken", taken);
+    let _positions = graph.input(InputKind::Positions);
+    for (values, refused) in [([3, 2, 1, 0], false), ([0, 1, 1, 3], true), ([0, 1, 2, 4], true)] {
+        let mut weights = MemoryTensors::new();
+        let order = MemoryTensor {
+            shape: vec![4],
+            dtype: GgmlType::I32,
+            bytes: values.iter().flat_map(|c: &i32| c.to_le_bytes()).collect(),
+        };
+        weights.insert("order".into(), order);
+        match runtime::cpu::CpuBackend::new(graph.clone(), &weights, 16) {
+            Ok(_) => assert!(!refused, "{values:?} loaded"),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(
+                    refused && e.contains("permute_columns %3") && e.contains("column order"),
+                    "{e}"
+                );
+            }
+        }
+    }
+}

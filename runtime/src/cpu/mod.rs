@@ -56,6 +56,8 @@ pub struct CpuBackend {
     int8_heads: HashMap<usize, Int8Head>,
     /// Per `ShortlistTopK` node: its head's 4-bit copy, made at load time.
     shortlist_heads: HashMap<usize, shortlist_head::ShortlistHead>,
+    /// Per `PermuteColumns` node: its order, read and checked at load time.
+    column_orders: HashMap<usize, Vec<usize>>,
     /// Per node: the index of the last node reading it (values are freed after).
     last_use: Vec<usize>,
     /// Per attention cache slot: what a position is cached as.
@@ -206,6 +208,7 @@ impl CpuBackend {
         widen_conv_weights(&graph, &mut weights)?;
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
         let shortlist_heads = prepare_shortlist_heads(&graph, &weights)?;
+        let column_orders = prepare_column_orders(&graph, &weights)?;
         release_folded_sources(&graph, &mut weights);
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_layouts = Vec::new();
@@ -249,6 +252,7 @@ impl CpuBackend {
             weights,
             int8_heads,
             shortlist_heads,
+            column_orders,
             last_use,
             kv_layouts,
             state_lens,
@@ -538,8 +542,14 @@ impl CpuBackend {
             }
             Op::PermuteColumns => {
                 let x = args[0].value().tensor();
-                let order = ops::column_order(args[1].vector()).map_err(RuntimeError::Weight)?;
-                Tensor::new(x.shape.clone(), ops::permute_columns(&x.data, &order))
+                let order = &self.column_orders[&node];
+                let mut out = spares.take(x.data.len());
+                for (row, x) in out.chunks_exact_mut(order.len()).zip(x.data.chunks_exact(order.len())) {
+                    for (o, &c) in row.iter_mut().zip(order) {
+                        *o = x[c];
+                    }
+                }
+                Tensor::new(x.shape.clone(), out)
             }
             Op::ScaleRows => {
                 let x = args[0].value().tensor();
@@ -1004,6 +1014,24 @@ fn fold_weight_transforms(
         weights[i] = Some(stacked);
     }
     Ok(())
+}
+
+/// The order of every `PermuteColumns`: a weight naming each column once.
+fn prepare_column_orders(graph: &Graph, weights: &[Option<Arc<CpuWeight>>]) -> Result<HashMap<usize, Vec<usize>>> {
+    let mut orders = HashMap::new();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if node.op == Op::PermuteColumns {
+            let Some(CpuWeight::Vector(values)) = weights[node.inputs[1].0].as_deref() else {
+                return Err(RuntimeError::Graph(format!(
+                    "permute_columns %{i} needs a weight vector"
+                )));
+            };
+            let order =
+                ops::column_order(values).map_err(|e| RuntimeError::Graph(format!("permute_columns %{i}: {e}")))?;
+            orders.insert(i, order);
+        }
+    }
+    Ok(orders)
 }
 
 /// The 4-bit copy of every `ShortlistTopK`'s head.
