@@ -1394,6 +1394,39 @@ fn integer_checkpoints_match_hf() {
     }
 }
 
+/// AutoRound's checkpoints (`quant_method: auto-round`, vLLM's name) packed as GPTQ and AWQ
+/// pack them (`packing_format` `auto_round:auto_gptq`, `auto_round:auto_awq`): the GPTQ and
+/// AWQ Llamas labelled so, their head listed in floats (`extra_config`), are held in the same
+/// 4-bit blocks and match the same HF logits (interpreter within 1e-4, CPU backend on its
+/// int8 kernels within 3e-2) with every greedy id.
+#[test]
+fn auto_round_checkpoints_read_as_their_packing() {
+    for (src, packing) in [
+        ("llama_gptq", "auto_round:auto_gptq"),
+        ("llama_awq", "auto_round:auto_awq"),
+    ] {
+        let quantization = serde_json::json!({
+            "quant_method": "auto-round",
+            "packing_format": packing,
+            "bits": 4,
+            "group_size": 32,
+            "sym": false,
+            "data_type": "int",
+            "extra_config": {"lm_head": {"bits": 16, "data_type": "float"}},
+        });
+        let copy =
+            common::checkpoint_copies::with_quantization_config(&fixture(&format!("hf-tiny/{src}")), quantization);
+        let mut spec = ModelSpec::for_weights(copy.path());
+        spec.dtype = ComputeDtype::Native;
+        let native = Model::open(spec).unwrap();
+        assert_eq!(native.weights.quantization(), Some("auto-round"), "{src}");
+        let down = native.weights.require("model.layers.1.mlp.down_proj.weight").unwrap();
+        assert_eq!(down.dtype, quant::GgmlType::U4B32, "{src}");
+        check_interpreter_against(&native, &Reference::of(src), &format!("{src} as {packing}"));
+        check_cpu_backend_within(&native, &Reference::of(src), 3e-2, &format!("{src} as {packing}"));
+    }
+}
+
 /// FP4 checkpoints: NVFP4 as compressed-tensors (`llama_nvfp4`, `code · scale / global`) and
 /// ModelOpt (`qwen3_next_nvfp4`: experts, shared expert, Gated DeltaNet and attention,
 /// `code · scale · scale_2`, with the activations' `input_scale` beside each weight, not used)

@@ -23,7 +23,8 @@ pub struct CheckpointQuantization {
 }
 
 /// The methods whose weights are packed integers with scales.
-const INT_METHODS: &str = "gptq, awq (GEMM) and compressed-tensors (pack-quantized, int-quantized)";
+const INT_METHODS: &str =
+    "gptq, awq (GEMM), auto-round (packed as either) and compressed-tensors (pack-quantized, int-quantized)";
 /// Where other quantized weights can come from.
 const OTHERWISE: &str = "and GGUF files for other quantized weights";
 

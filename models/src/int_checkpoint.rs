@@ -133,6 +133,25 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntSc
             .map(|g| g as usize)
     };
     match method {
+        // AutoRound's checkpoints packed as GPTQ or AWQ pack them (the formats vLLM reads).
+        "auto-round" | "intel/auto-round" => Some((|| {
+            let layout = text("packing_format").unwrap_or_else(|| "auto_round:auto_gptq".into());
+            let same = match layout.as_str() {
+                "auto_round:auto_gptq" => "gptq",
+                "auto_round:auto_awq" => "awq",
+                other => {
+                    return Err(format!(
+                    "AutoRound's `{other}` packing is not read (`auto_round:auto_gptq` and `auto_round:auto_awq` are)"
+                ))
+                }
+            };
+            if let Some(kind) = text("data_type").filter(|t| t != "int") {
+                return Err(format!("AutoRound's `{kind}` weights are not read (integers are)"));
+            }
+            let scheme = scheme_of(same, quant).expect("a method read")?;
+            auto_round_layers_agree(quant, scheme)?;
+            Ok(scheme)
+        })()),
         "gptq" => Some((|| {
             let bits = bits(&["bits"]).ok_or("GPTQ's config has no `bits`")?;
             if !matches!(bits, 2 | 4 | 8) {
@@ -184,6 +203,36 @@ pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntSc
         }
         _ => None,
     }
+}
+
+/// AutoRound's per-layer settings (`extra_config`, by module name) may keep a layer in floats
+/// (16 bits or more: its file holds floats) or repeat the checkpoint's width and group size;
+/// other widths or group sizes are refused, naming the layer.
+fn auto_round_layers_agree(quant: &serde_json::Value, scheme: IntScheme) -> Result<(), String> {
+    let layers = quant.get("extra_config").and_then(|c| c.as_object());
+    for (name, layer) in layers.into_iter().flatten() {
+        let bits = layer
+            .get("bits")
+            .and_then(|b| b.as_u64())
+            .unwrap_or(u64::from(scheme.bits));
+        let group = layer.get("group_size").and_then(|g| g.as_i64());
+        let group = match group {
+            Some(g) if g > 0 => Some(g as usize),
+            Some(_) => None,
+            None => scheme.group_size,
+        };
+        if bits < 16 && (bits != u64::from(scheme.bits) || group != scheme.group_size) {
+            let groups = |g: Option<usize>| g.map_or("a scale a row".to_string(), |g| format!("groups of {g}"));
+            return Err(format!(
+                "AutoRound's layer `{name}` has {bits}-bit weights in {}, the checkpoint's are {}-bit in {}: \
+                 layers of other widths or groups are not read",
+                groups(group),
+                scheme.bits,
+                groups(scheme.group_size)
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// compressed-tensors' integer weights must have the same width (and group size) in every
@@ -1219,6 +1268,49 @@ mod tests {
             .unwrap_err()
             .contains("gemv"));
         assert!(read("awq", json!({"bits": 4, "zero_point": false})).unwrap().is_err());
+        // AutoRound's packed as GPTQ (by default) or AWQ: their schemes; layers in floats or
+        // as the rest may be listed; other packings, types and widths are refused by name.
+        let auto_round = |extra: serde_json::Value| {
+            let mut quant = json!({"bits": 4, "group_size": 128, "sym": true, "data_type": "int"});
+            quant
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            read("auto-round", quant).unwrap()
+        };
+        assert_eq!(
+            auto_round(json!({})),
+            read("gptq", json!({"bits": 4, "group_size": 128})).unwrap()
+        );
+        assert_eq!(
+            auto_round(json!({"packing_format": "auto_round:auto_awq"})),
+            read("awq", json!({"bits": 4, "group_size": 128})).unwrap()
+        );
+        let layers = json!({"extra_config": {"lm_head": {"bits": 16}, "model.layers.0.mlp.down_proj": {"bits": 4, "group_size": 128}}});
+        assert_eq!(auto_round(layers).unwrap().packing, Packing::Gptq { zero_offset: 1 });
+        assert_eq!(
+            read("intel/auto-round", json!({"bits": 4, "group_size": 32}))
+                .unwrap()
+                .unwrap()
+                .group_size,
+            Some(32)
+        );
+        for (extra, named) in [
+            (json!({"packing_format": "auto_round:gptq"}), "auto_round:gptq"),
+            (json!({"data_type": "nv_fp"}), "nv_fp"),
+            (json!({"bits": 3}), "3-bit"),
+            (
+                json!({"extra_config": {"model.layers.3.mlp.down_proj": {"bits": 8}}}),
+                "model.layers.3.mlp.down_proj",
+            ),
+            (
+                json!({"extra_config": {"model.layers.0.self_attn.q_proj": {"group_size": 32}}}),
+                "groups of 32, the checkpoint's are 4-bit in groups of 128",
+            ),
+        ] {
+            let err = auto_round(extra.clone()).unwrap_err();
+            assert!(err.contains(named), "{extra}: {err}");
+        }
         let ct = |weights: serde_json::Value| json!({"format": "pack-quantized", "config_groups": {"group_0": {"weights": weights}}});
         assert_eq!(
             read("compressed-tensors", ct(json!({"type": "int", "num_bits": 4})))

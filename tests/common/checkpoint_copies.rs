@@ -41,3 +41,17 @@ pub fn with_bf16_scales(src: &Path) -> tempfile::TempDir {
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     scratch
 }
+
+/// A copy of the checkpoint at `src` (its `config.json` and `model.safetensors`) whose
+/// `quantization_config` is `quantization`, as another tool labels the same tensors; the copy
+/// lives as long as the directory returned.
+pub fn with_quantization_config(src: &Path, quantization: serde_json::Value) -> tempfile::TempDir {
+    let scratch = super::scratch_dir("bbc-relabelled-");
+    let dir = scratch.path();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] = quantization;
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    scratch
+}
