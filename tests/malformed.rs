@@ -853,7 +853,7 @@ fn unreadable_fp4_checkpoints_are_named() {
     }
 }
 
-/// A column order that names a column twice or none past the row is refused when the CPU
+/// A column order that names a column twice, or one past the row's end, is refused when the CPU
 /// backend loads the graph, naming the node; one naming each column once loads.
 #[test]
 fn column_orders_that_are_no_permutation_are_refused_on_load() {

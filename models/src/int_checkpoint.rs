@@ -1,7 +1,8 @@
 //! Integer checkpoints: linear weights stored as packed integer levels `q` with a scale `s`
 //! (and a zero point `z`) for each group of a row, as GPTQ (`quant_method: "gptq"`), AWQ
-//! (`"awq"`, its GEMM layout) and compressed-tensors (`"compressed-tensors"`,
-//! `pack-quantized`, and `int-quantized` a level a byte) save them. A weight is `(q − z) · s`.
+//! (`"awq"`, its GEMM layout), AutoRound (`"auto-round"`, packed as either) and
+//! compressed-tensors (`"compressed-tensors"`, `pack-quantized`, and `int-quantized` a level a
+//! byte) save them. A weight is `(q − z) · s`.
 //!
 //! bbc reads them as those libraries dequantize them, each product in f32. Where levels have
 //! at most 4 bits and every 32 columns of a row lie in one group, each 32 columns of a row
@@ -13,9 +14,11 @@
 //! are the same, run by kernels every such block has. Wider levels under f16 scales (bf16
 //! ones nearly always are) are held as GGUF's Q8_0 blocks where every `q − z` is a signed byte
 //! (levels of up to 7 bits, or 8 with every zero point 128: symmetric checkpoints), each weight
-//! exactly `(q − z) · s` again. Other wider levels, act-order groups and groups that split a
-//! block of 32 are dequantized into a float type instead, as is everything when the model is
-//! read into one.
+//! exactly `(q − z) · s` again. Act-order groups (listed out of order, `group_cols` columns
+//! each) are held the same way with a matrix's columns regrouped by group
+//! ([`PackedLayout::input_order`]). Other wider levels, other listed groups and groups that
+//! split a block of 32 are dequantized into a float type instead, as is everything when the
+//! model is read into one.
 
 use crate::quant::GgmlType;
 use ir::F8E4M3;

@@ -372,8 +372,12 @@ pub fn group_slice(x: &[f32], group: usize, start: usize, len: usize) -> Vec<f32
 /// Each row of `x` (rows of `row_len`) times its scalar, or all times `scalars[0]` when there
 /// is one scalar for all.
 /// A column order read from a weight's values (as the interpreter and the CPU backend
-/// read every weight: f32, each index exact), or why it is no permutation of its columns.
+/// read every weight: f32, each index exact), or why it is no permutation of its columns (or
+/// empty: no layer has rows of none).
 pub fn column_order(values: &[f32]) -> Result<Vec<usize>, String> {
+    if values.is_empty() {
+        return Err("a column order of no columns".into());
+    }
     let mut seen = vec![false; values.len()];
     let mut order = Vec::with_capacity(values.len());
     for &v in values {
@@ -702,6 +706,7 @@ mod tests {
     #[test]
     fn columns_are_taken_in_an_order_that_names_each_once() {
         assert_eq!(column_order(&[2.0, 0.0, 1.0]), Ok(vec![2, 0, 1]));
+        assert!(column_order(&[]).is_err());
         for bad in [
             [2.0, 0.0, 2.0],
             [3.0, 0.0, 1.0],
