@@ -1204,8 +1204,8 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
 /// same weights dequantized: it multiplies those blocks against int8 activations): GPTQ's
 /// 128-wide Llama in groups of 128 (4-bit blocks of 128, its down projection's of 32), its
 /// act-order Llama (4-bit blocks of its columns by group, each layer's input gathered into
-/// that order), compressed-tensors' symmetric Llama (FP8 blocks of 32) and its 8-bit Llama with bf16
-/// scales (Q8_0 blocks) on Hopper, and compressed-tensors' Qwen3-Next (experts, Gated
+/// that order), compressed-tensors' symmetric Llama (FP8 blocks of 32) and its 8-bit Llama
+/// with bf16 scales (Q8_0 blocks) on Hopper, and compressed-tensors' Qwen3-Next (experts, Gated
 /// DeltaNet, attention in 4-bit blocks; its shared expert's down projection dequantized to
 /// f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a 19-token prompt
 /// (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its router follows the
