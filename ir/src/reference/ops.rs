@@ -396,9 +396,18 @@ pub fn column_order(values: &[f32]) -> Result<Vec<usize>, String> {
 /// Each row of `x` (rows of `order.len()`) with its columns in `order`: column `j` of a row
 /// is its column `order[j]`.
 pub fn permute_columns(x: &[f32], order: &[usize]) -> Vec<f32> {
-    x.chunks_exact(order.len())
-        .flat_map(|row| order.iter().map(|&c| row[c]))
-        .collect()
+    let mut out = vec![0.0; x.len()];
+    permute_columns_into(x, order, &mut out);
+    out
+}
+
+/// [`permute_columns`] into `out` (as long as `x`).
+pub fn permute_columns_into(x: &[f32], order: &[usize], out: &mut [f32]) {
+    for (row, x) in out.chunks_exact_mut(order.len()).zip(x.chunks_exact(order.len())) {
+        for (o, &c) in row.iter_mut().zip(order) {
+            *o = x[c];
+        }
+    }
 }
 
 pub fn scale_rows(x: &[f32], row_len: usize, scalars: &[f32]) -> Vec<f32> {

@@ -544,11 +544,7 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 let order = &self.column_orders[&node];
                 let mut out = spares.take(x.data.len());
-                for (row, x) in out.chunks_exact_mut(order.len()).zip(x.data.chunks_exact(order.len())) {
-                    for (o, &c) in row.iter_mut().zip(order) {
-                        *o = x[c];
-                    }
-                }
+                ops::permute_columns_into(&x.data, order, &mut out);
                 Tensor::new(x.shape.clone(), out)
             }
             Op::ScaleRows => {
