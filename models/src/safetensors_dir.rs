@@ -382,11 +382,7 @@ impl SafetensorsDir {
                 let zeros_stored = zeros.as_ref().map(|z| self.raw(z));
                 let facts = PackedScales::of(&self.floats(&scales), &layout, zeros_stored);
                 let held_as = read_as(&layout, facts);
-                if let Some(order) = layout
-                    .input_order
-                    .clone()
-                    .filter(|_| held_as.is_checkpoint_blocks() || held_as == GgmlType::Q8_0)
-                {
+                if let Some(order) = layout.input_order.clone().filter(|_| Self::holds_blocks(held_as)) {
                     let order = MadeWeight {
                         shape: vec![order.len()],
                         read_as: GgmlType::I32,
@@ -574,6 +570,12 @@ impl SafetensorsDir {
                 bytes: self.data(stored),
             }),
         }
+    }
+
+    /// Whether weights read as `dtype` are a checkpoint's blocks held as they are: bbc's own
+    /// block formats, and Q8_0 (8-bit integer weights); every other type is floats.
+    pub fn holds_blocks(dtype: GgmlType) -> bool {
+        dtype.is_checkpoint_blocks() || dtype == GgmlType::Q8_0
     }
 
     /// The bytes of weights made so far and held (column orders, four bytes a column that

@@ -110,7 +110,10 @@ impl WeightSource {
     /// as (FP8, 4-bit and FP4 blocks, and in a directory Q8_0 blocks, its 8-bit integer
     /// weights), which lowering keeps whatever the type computed in.
     pub fn holds_checkpoint_blocks(&self, dtype: GgmlType) -> bool {
-        dtype.is_checkpoint_blocks() || (matches!(self, Self::Safetensors(_)) && dtype == GgmlType::Q8_0)
+        match self {
+            Self::Safetensors(_) => SafetensorsDir::holds_blocks(dtype),
+            _ => dtype.is_checkpoint_blocks(),
+        }
     }
 
     /// The storage type holding the most elements of the tensors of two or more dims (the
